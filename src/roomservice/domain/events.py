@@ -1,0 +1,161 @@
+"""Room events: typed payloads and the envelope every event travels in.
+
+Each payload's fields map one to one onto the protobuf message of the same
+name (``roomservice/proto/room_events.proto``), so the wire codec needs no
+per-type code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class EventPayload:
+    type: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RoomCreated(EventPayload):
+    type: ClassVar[str] = "RoomCreated"
+    owner_id: str
+    title: str
+    seat_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomUserJoined(EventPayload):
+    type: ClassVar[str] = "RoomUserJoined"
+    user_id: str
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoomUserLeft(EventPayload):
+    type: ClassVar[str] = "RoomUserLeft"
+    user_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoomMicTaken(EventPayload):
+    type: ClassVar[str] = "RoomMicTaken"
+    user_id: str
+    seat: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomMicLeft(EventPayload):
+    type: ClassVar[str] = "RoomMicLeft"
+    user_id: str
+    seat: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomGiftSent(EventPayload):
+    type: ClassVar[str] = "RoomGiftSent"
+    sender_id: str
+    receiver_id: str
+    gift_id: str
+    count: int
+    unit_price: int
+    total_value: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomUserKicked(EventPayload):
+    type: ClassVar[str] = "RoomUserKicked"
+    operator_id: str
+    target_id: str
+    ban_seconds: int
+    banned_until_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoomClosed(EventPayload):
+    type: ClassVar[str] = "RoomClosed"
+    operator_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoomTreasureCountdownStarted(EventPayload):
+    type: ClassVar[str] = "RoomTreasureCountdownStarted"
+    box_id: str
+    level: int
+    open_at_ms: int
+    open_command_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoomTreasureOpened(EventPayload):
+    type: ClassVar[str] = "RoomTreasureOpened"
+    box_id: str
+    level: int
+    recipients: tuple[str, ...]
+
+
+PAYLOAD_TYPES: dict[str, type[EventPayload]] = {
+    cls.type: cls
+    for cls in (
+        RoomCreated,
+        RoomUserJoined,
+        RoomUserLeft,
+        RoomMicTaken,
+        RoomMicLeft,
+        RoomGiftSent,
+        RoomUserKicked,
+        RoomClosed,
+        RoomTreasureCountdownStarted,
+        RoomTreasureOpened,
+    )
+}
+
+
+def payload_from_dict(event_type: str, data: dict[str, Any]) -> EventPayload:
+    cls = PAYLOAD_TYPES[event_type]
+    values = {}
+    for f in fields(cls):
+        value = data[f.name]
+        values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """The envelope: what the command log stores and every publisher sends."""
+
+    event_id: str
+    app_code: str
+    room_id: str
+    room_version: int
+    occurred_at_ms: int
+    payload: EventPayload
+
+    @property
+    def type(self) -> str:
+        return self.payload.type
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event_id": self.event_id,
+            "app_code": self.app_code,
+            "room_id": self.room_id,
+            "room_version": self.room_version,
+            "type": self.type,
+            "occurred_at_ms": self.occurred_at_ms,
+            "payload": self.payload.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Event:
+        return cls(
+            event_id=data["event_id"],
+            app_code=data["app_code"],
+            room_id=data["room_id"],
+            room_version=data["room_version"],
+            occurred_at_ms=data["occurred_at_ms"],
+            payload=payload_from_dict(data["type"], data["payload"]),
+        )

@@ -1,0 +1,35 @@
+"""SPEC §3's routing table: which delivery targets each event type has."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+
+
+class Target(StrEnum):
+    IM = "im"  # Tencent IM (direct publisher or IM bridge consumer)
+    ACTIVITY = "activity"  # activity service (gRPC or activity consumer)
+    NOTICE = "notice"  # C2C private notice, broker only
+    TREASURE_WAKEUP = "treasure_wakeup"  # schedule the delayed open
+
+
+_ROUTES: dict[str, frozenset[Target]] = {
+    "RoomCreated": frozenset({Target.IM, Target.ACTIVITY}),
+    "RoomUserJoined": frozenset({Target.IM, Target.ACTIVITY}),
+    "RoomUserLeft": frozenset({Target.IM, Target.ACTIVITY}),
+    "RoomMicTaken": frozenset({Target.IM}),
+    "RoomMicLeft": frozenset({Target.IM}),
+    "RoomGiftSent": frozenset({Target.IM, Target.ACTIVITY}),
+    "RoomUserKicked": frozenset({Target.IM, Target.ACTIVITY, Target.NOTICE}),
+    "RoomTreasureCountdownStarted": frozenset({Target.IM, Target.TREASURE_WAKEUP}),
+    "RoomTreasureOpened": frozenset({Target.IM, Target.ACTIVITY}),
+    "RoomClosed": frozenset({Target.IM, Target.ACTIVITY}),
+}
+
+
+def targets_of(event_type: str) -> frozenset[Target]:
+    return _ROUTES.get(event_type, frozenset())
+
+
+def touches(event_types: Iterable[str], target: Target) -> bool:
+    return any(target in targets_of(t) for t in event_types)

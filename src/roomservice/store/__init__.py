@@ -1,0 +1,1 @@
+"""Durable room state: tables, migrations, the SaveMutation unit of work, snapshots, recovery."""

@@ -1,0 +1,118 @@
+"""The room store port: what the Room Cell needs from durable storage.
+
+Adapters: :class:`roomservice.store.sql.SqlRoomStore` (SQLite and MySQL/MariaDB
+through SQLAlchemy Core). Tests use the same adapter on SQLite; there is no
+separate fake because an on-disk SQLite store is fast enough.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from roomservice.domain.events import Event
+from roomservice.domain.state import RoomState
+
+
+class StoreConflict(Exception):
+    """SaveMutation lost a race: the stored version or lease epoch moved on.
+
+    The command was not written; the caller answers ``503 retry`` and reloads.
+    """
+
+
+class CommandIdTaken(StoreConflict):
+    """Another writer logged the same command_id first (read it back with find_command)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedCommand:
+    """What idempotency needs of a command already committed."""
+
+    command_id: str
+    fingerprint: str
+    response: dict[str, Any]
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedRoom:
+    """A room as recovery found it: newest snapshot plus the logged events after it."""
+
+    state: RoomState | None
+    epoch: int
+    snapshot_version: int
+    replayed_events: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    """One committed command: the command log row, its outbox rows and the new room meta.
+
+    ``expected_version`` is the version the cell decided on (0 for CreateRoom);
+    ``epoch`` is the cell's lease epoch. A no-op command has no events and
+    ``state_after.version == expected_version``.
+    """
+
+    app_code: str
+    room_id: str
+    command_id: str
+    command_type: str
+    fingerprint: str
+    command: dict[str, Any]
+    events: tuple[Event, ...]
+    response: dict[str, Any]
+    now_ms: int
+    expected_version: int
+    epoch: int
+    state_after: RoomState | None
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSummary:
+    """A room_meta row, for seeding the room list projection."""
+
+    app_code: str
+    room_id: str
+    owner_id: str
+    title: str
+    status: str
+    version: int
+    member_count: int
+    heat: int
+    updated_at_ms: int
+
+
+class RoomStore(Protocol):
+    async def find_command(self, app_code: str, room_id: str, command_id: str) -> LoggedCommand | None:
+        """The logged command with this id in this room, if any."""
+        ...
+
+    async def take_lease_epoch(self, app_code: str, room_id: str) -> int:
+        """Bump and return the room's durable fencing epoch (0 when the room does not exist yet)."""
+        ...
+
+    async def load_room(self, app_code: str, room_id: str) -> LoadedRoom:
+        """Newest snapshot + the logged events after it, applied through ``evolve``."""
+        ...
+
+    async def save_mutation(self, mutation: Mutation) -> None:
+        """ONE transaction: command log row + outbox rows + room meta, guarded by version and epoch.
+
+        Raises :class:`StoreConflict` (nothing written) when the stored version
+        is not ``expected_version`` or the epoch is not current, and
+        :class:`CommandIdTaken` when the command_id is already logged.
+        """
+        ...
+
+    async def save_snapshot(self, state: RoomState, *, now_ms: int) -> None:
+        """Store a snapshot of ``state`` (idempotent per version) and prune older ones."""
+        ...
+
+    async def list_room_summaries(self, *, limit: int) -> list[RoomSummary]:
+        """Room meta rows, newest first, for seeding projections at start."""
+        ...
+
+    async def ping(self) -> None:
+        """Raise if the database does not answer."""
+        ...
