@@ -1,0 +1,1 @@
+"""Alembic migrations of the room-service schema (run them with ``room-service db upgrade``)."""

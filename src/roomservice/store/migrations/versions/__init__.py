@@ -1,0 +1,1 @@
+"""Alembic revision scripts, one per schema change, applied in order by ``roomservice.store.migrate``."""

@@ -1,0 +1,230 @@
+"""The relational schema as SQLAlchemy Core tables: the one definition queries are built from.
+
+The migrations (``store/migrations/versions``) create exactly this schema with
+explicit DDL; ``tests/contracts/test_room_store.py`` checks that the two agree.
+
+Dialect notes:
+
+* Identifier columns are ASCII with a binary collation on MySQL/MariaDB, whose
+  default collation is case-insensitive ("Room1" and "room1" must be two rooms).
+* JSON documents are text (MEDIUMTEXT on MySQL); every ``*_ms``, version,
+  epoch and amount column is a BIGINT.
+* Autoincrement ids are BIGINT on MySQL and ``INTEGER PRIMARY KEY`` (the rowid)
+  on SQLite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.types import TypeEngine
+
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+}
+
+# MySQL "mysql+..." and MariaDB-only "mariadb+..." URLs read differently prefixed options.
+MYSQL_TABLE_OPTIONS: dict[str, Any] = {
+    "mysql_engine": "InnoDB",
+    "mysql_charset": "utf8mb4",
+    "mariadb_engine": "InnoDB",
+    "mariadb_charset": "utf8mb4",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def ascii_id(length: int) -> TypeEngine[str]:
+    """An ASCII identifier that compares case-sensitively on every backend."""
+    return String(length).with_variant(
+        mysql.VARCHAR(length, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
+    )
+
+
+def json_text() -> TypeEngine[str]:
+    """A JSON document stored as text (MEDIUMTEXT on MySQL: TEXT stops at 64 KiB)."""
+    return Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+
+
+def blob() -> TypeEngine[bytes]:
+    return LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
+
+
+def autoincrement_id() -> TypeEngine[int]:
+    return BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _ms(name: str, *, nullable: bool = False) -> Column[int]:
+    return Column(name, BigInteger(), nullable=nullable)
+
+
+room_meta = Table(
+    "room_meta",
+    metadata,
+    Column("app_code", ascii_id(32), primary_key=True),
+    Column("room_id", ascii_id(48), primary_key=True),
+    Column("version", BigInteger(), nullable=False),
+    Column("lease_epoch", BigInteger(), nullable=False),
+    Column("owner_id", ascii_id(64), nullable=False),
+    Column("title", String(64), nullable=False),
+    Column("status", ascii_id(16), nullable=False),
+    Column("seat_count", Integer(), nullable=False),
+    Column("member_count", Integer(), nullable=False),
+    Column("heat", BigInteger(), nullable=False),
+    _ms("created_at_ms"),
+    _ms("updated_at_ms"),
+    Index(None, "app_code", "updated_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+room_command_log = Table(
+    "room_command_log",
+    metadata,
+    Column("id", autoincrement_id(), primary_key=True, autoincrement=True),
+    Column("app_code", ascii_id(32), nullable=False),
+    Column("room_id", ascii_id(48), nullable=False),
+    Column("command_id", ascii_id(64), nullable=False),
+    Column("command_type", ascii_id(32), nullable=False),
+    Column("fingerprint", ascii_id(64), nullable=False),
+    Column("command", json_text(), nullable=False),
+    Column("events", json_text(), nullable=False),
+    Column("response", json_text(), nullable=False),
+    Column("version", BigInteger(), nullable=False),
+    _ms("now_ms"),
+    _ms("created_at_ms"),
+    UniqueConstraint("app_code", "room_id", "command_id"),
+    Index(None, "app_code", "room_id", "version"),
+    Index(None, "created_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+room_snapshot = Table(
+    "room_snapshot",
+    metadata,
+    Column("app_code", ascii_id(32), primary_key=True),
+    Column("room_id", ascii_id(48), primary_key=True),
+    Column("version", BigInteger(), primary_key=True, autoincrement=False),
+    Column("state", json_text(), nullable=False),
+    _ms("created_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+room_outbox = Table(
+    "room_outbox",
+    metadata,
+    Column("id", autoincrement_id(), primary_key=True, autoincrement=True),
+    Column("event_id", ascii_id(64), nullable=False),
+    Column("app_code", ascii_id(32), nullable=False),
+    Column("room_id", ascii_id(48), nullable=False),
+    Column("room_version", BigInteger(), nullable=False),
+    Column("event_type", ascii_id(64), nullable=False),
+    Column("payload", blob(), nullable=False),
+    Column("status", ascii_id(16), nullable=False),
+    Column("retry_count", Integer(), nullable=False, server_default="0"),
+    Column("replay_count", Integer(), nullable=False, server_default="0"),
+    _ms("next_retry_at_ms", nullable=True),
+    _ms("lock_until_ms", nullable=True),
+    Column("lock_owner", String(128), nullable=True),
+    Column("last_error", Text(), nullable=True),
+    # Comma-separated names of the targets that already succeeded for this row.
+    Column("targets_done", ascii_id(255), nullable=False, server_default=""),
+    # The claim key: pending -> created_at_ms, retryable -> next_retry_at_ms,
+    # delivering -> lock_until_ms; one index serves every claimable status.
+    _ms("due_at_ms"),
+    _ms("created_at_ms"),
+    _ms("updated_at_ms"),
+    _ms("delivered_at_ms", nullable=True),
+    UniqueConstraint("event_id"),
+    Index(None, "status", "due_at_ms"),
+    Index(None, "app_code", "room_id", "room_version"),
+    Index(None, "event_type"),
+    Index(None, "status", "delivered_at_ms"),
+    sqlite_autoincrement=True,
+    **MYSQL_TABLE_OPTIONS,
+)
+
+room_outbox_audit = Table(
+    "room_outbox_audit",
+    metadata,
+    Column("id", autoincrement_id(), primary_key=True, autoincrement=True),
+    Column("event_id", ascii_id(64), nullable=False),
+    Column("action", ascii_id(32), nullable=False),
+    Column("actor", String(64), nullable=False),
+    Column("detail", Text(), nullable=True),
+    _ms("created_at_ms"),
+    Index(None, "event_id"),
+    sqlite_autoincrement=True,
+    **MYSQL_TABLE_OPTIONS,
+)
+
+treasure_timer = Table(
+    "treasure_timer",
+    metadata,
+    Column("app_code", ascii_id(32), primary_key=True),
+    Column("room_id", ascii_id(48), primary_key=True),
+    Column("box_id", ascii_id(64), primary_key=True),
+    Column("level", Integer(), nullable=False),
+    _ms("open_at_ms"),
+    Column("command_id", ascii_id(64), nullable=False),
+    Column("status", ascii_id(16), nullable=False),
+    _ms("fire_at_ms"),
+    Column("attempts", Integer(), nullable=False, server_default="0"),
+    _ms("lock_until_ms", nullable=True),
+    Column("lock_owner", String(128), nullable=True),
+    _ms("created_at_ms"),
+    _ms("updated_at_ms"),
+    Index(None, "status", "fire_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+wallet_account = Table(
+    "wallet_account",
+    metadata,
+    Column("app_code", ascii_id(32), primary_key=True),
+    Column("user_id", ascii_id(64), primary_key=True),
+    Column("balance", BigInteger(), nullable=False),
+    _ms("updated_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+wallet_debit = Table(
+    "wallet_debit",
+    metadata,
+    Column("debit_key", ascii_id(200), primary_key=True),
+    Column("app_code", ascii_id(32), nullable=False),
+    Column("user_id", ascii_id(64), nullable=False),
+    Column("amount", BigInteger(), nullable=False),
+    Column("status", ascii_id(16), nullable=False),
+    _ms("created_at_ms"),
+    _ms("updated_at_ms"),
+    Index(None, "status", "created_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+wallet_pending_debit = Table(
+    "wallet_pending_debit",
+    metadata,
+    Column("debit_key", ascii_id(200), primary_key=True),
+    Column("app_code", ascii_id(32), nullable=False),
+    Column("room_id", ascii_id(48), nullable=False),
+    Column("command_id", ascii_id(64), nullable=False),
+    Column("user_id", ascii_id(64), nullable=False),
+    Column("amount", BigInteger(), nullable=False),
+    _ms("created_at_ms"),
+    Index(None, "created_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)

@@ -1,0 +1,202 @@
+"""Database: the per-dialect connection settings and the transaction discipline of write()/read()."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from roomservice.store.database import Database
+
+
+async def test_sqlite_connections_get_wal_and_pragmas(tmp_path: Path) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/nested/dir/room.db")
+    try:
+        assert db.dialect_name == "sqlite"
+        assert (tmp_path / "nested" / "dir").is_dir()
+        for open_connection in (db.read, db.write):
+            async with open_connection() as conn:
+                pragmas = [
+                    (await conn.exec_driver_sql(f"PRAGMA {name}")).scalar()
+                    for name in ("journal_mode", "synchronous", "busy_timeout", "foreign_keys")
+                ]
+            assert pragmas == ["wal", 1, 5000, 1]  # synchronous 1 = NORMAL
+    finally:
+        await db.dispose()
+
+
+async def test_sqlite_write_takes_the_write_lock_at_begin(tmp_path: Path) -> None:
+    path = tmp_path / "room.db"
+    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    other = sqlite3.connect(path, timeout=0, isolation_level=None)  # "another process"
+    try:
+        async with db.write() as conn:
+            await conn.exec_driver_sql("SELECT 1")  # a read only: BEGIN IMMEDIATE already holds the lock
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+        other.execute("BEGIN IMMEDIATE")  # released at commit
+        other.execute("ROLLBACK")
+        async with db.read() as conn:  # a reader takes no write lock
+            await conn.exec_driver_sql("SELECT 1")
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("ROLLBACK")
+    finally:
+        other.close()
+        await db.dispose()
+
+
+async def test_sqlite_write_transactions_queue_and_commit_or_roll_back(tmp_path: Path) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    try:
+        async with db.write() as conn:
+            await conn.exec_driver_sql("CREATE TABLE t (n INTEGER)")
+        inside: list[int] = []
+        overlap: list[bool] = []
+
+        async def writer(n: int) -> None:
+            async with db.write() as conn:
+                overlap.append(bool(inside))
+                inside.append(n)
+                await conn.exec_driver_sql(f"INSERT INTO t VALUES ({n})")
+                await asyncio.sleep(0.005)  # a read-modify-write that would otherwise interleave
+                inside.remove(n)
+
+        async def failing_writer() -> None:
+            async with db.write() as conn:
+                await conn.exec_driver_sql("INSERT INTO t VALUES (99)")
+                raise RuntimeError("boom")
+
+        await asyncio.gather(*(writer(n) for n in range(10)))
+        with pytest.raises(RuntimeError, match="boom"):
+            await failing_writer()
+
+        assert overlap == [False] * 10
+        async with db.read() as conn:
+            assert sorted((await conn.exec_driver_sql("SELECT n FROM t")).scalars()) == list(range(10))
+    finally:
+        await db.dispose()
+
+
+async def test_mariadb_sessions_are_read_committed_utf8mb4(mariadb_url: str) -> None:
+    db = Database.from_url(mariadb_url.replace("mysql+asyncmy", "mariadb+asyncmy"), pool_size=2, max_overflow=0)
+    try:
+        assert db.dialect_name == "mysql"
+        assert db.engine.dialect.name == "mysql"  # "mariadb+" URLs are normalised to the mysql dialect
+        assert db.engine.pool.size() == 2  # type: ignore[attr-defined]
+        for open_connection in (db.read, db.write):
+            async with open_connection() as conn:
+                isolation, charset = (
+                    await conn.execute(sa.text("SELECT @@tx_isolation, @@character_set_connection"))
+                ).one()
+            assert (isolation, charset) == ("READ-COMMITTED", "utf8mb4")
+    finally:
+        await db.dispose()
+
+
+def test_unsupported_urls_are_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported"):
+        Database.from_url("postgresql+asyncpg://localhost/db")
+
+
+async def test_run_write_and_run_read_units_commit_roll_back_and_share_the_write_lock(backend_url: str) -> None:
+    db = Database.from_url(backend_url, pool_size=2, max_overflow=0)
+    table = sa.table("unit_test_rows", sa.column("n"))
+
+    def insert(conn: sa.Connection, n: int, *, fail: bool = False) -> int:
+        conn.execute(sa.insert(table).values(n=n))
+        if fail:
+            raise LookupError("boom")
+        return n
+
+    def numbers(conn: sa.Connection) -> list[int]:
+        return list(conn.scalars(sa.select(table.c.n).order_by(table.c.n)))
+
+    try:
+        async with db.write() as conn:
+            await conn.exec_driver_sql("DROP TABLE IF EXISTS unit_test_rows")
+            await conn.exec_driver_sql("CREATE TABLE unit_test_rows (n INTEGER)")
+        assert await db.run_write(insert, 1) == 1
+        with pytest.raises(LookupError):
+            await db.run_write(insert, 2, fail=True)
+        order: list[str] = []
+
+        async def held_writer() -> None:
+            async with db.write() as conn:
+                order.append("write() in")
+                await asyncio.sleep(0.05)
+                await conn.execute(sa.insert(table).values(n=3))
+                order.append("write() out")
+
+        async def unit_writer() -> None:
+            await asyncio.sleep(0.01)
+            await db.run_write(insert, 4)
+            order.append("run_write done")
+
+        await asyncio.gather(held_writer(), unit_writer())
+
+        assert await db.run_read(numbers) == [1, 3, 4]
+        if db.is_sqlite:  # one writer: the unit waited for the open write transaction
+            assert order == ["write() in", "write() out", "run_write done"]
+    finally:
+        async with db.write() as conn:
+            await conn.exec_driver_sql("DROP TABLE IF EXISTS unit_test_rows")
+        await db.dispose()
+
+
+async def test_cancelled_sqlite_unit_finishes_its_transaction_before_the_lock_is_free(tmp_path: Path) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+
+    def slow_insert(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("INSERT INTO t VALUES (1)")
+        time.sleep(0.2)  # the worker thread cannot be interrupted
+
+    try:
+        async with db.write() as conn:
+            await conn.exec_driver_sql("CREATE TABLE t (n INTEGER)")
+        task = asyncio.create_task(db.run_write(slow_insert))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        started = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - started > 0.1  # waited for the thread's commit
+        async with db.write() as conn:  # the lock is free, the unit committed
+            assert (await conn.exec_driver_sql("SELECT count(*) FROM t")).scalar() == 1
+    finally:
+        await db.dispose()
+
+
+async def test_committed_connections_return_to_the_pool_without_a_rollback(mariadb_url: str) -> None:
+    db = Database.from_url(mariadb_url, pool_size=1, max_overflow=0)  # one connection: one session
+
+    async def rollbacks() -> int:
+        async with db.read() as conn:  # the read's own close rolls back once
+            row = (await conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Com_rollback'"))).one()
+        return int(row[1])
+
+    def noop(conn: sa.Connection) -> None:
+        conn.execute(sa.text("SELECT 1"))
+
+    async def failing_write() -> None:
+        async with db.write() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+            raise ZeroDivisionError
+
+    try:
+        before = await rollbacks()
+        for _ in range(5):
+            await db.run_write(noop)
+            async with db.write() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+        after_commits = await rollbacks()
+        with pytest.raises(ZeroDivisionError):
+            await failing_write()
+        after_failure = await rollbacks()
+    finally:
+        await db.dispose()
+    assert after_commits - before == 1  # only the counting read's own rollback
+    assert after_failure - after_commits >= 2  # the failed write rolled back (+ the read)
