@@ -29,7 +29,8 @@ def encode_event(event: e.Event) -> bytes:
     getattr(envelope, _FIELD_OF[event.type]).CopyFrom(
         getattr(pb, event.type)(**event.payload.to_dict())
     )
-    return envelope.SerializeToString()
+    data: bytes = envelope.SerializeToString()
+    return data
 
 
 def decode_event(data: bytes) -> e.Event:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from roomservice import errors
 from roomservice.domain import commands as c
 from roomservice.domain import events as e
-from roomservice.domain.limits import MAX_TREASURE_RECIPIENTS
+from roomservice.domain import limits as lim
 from roomservice.domain.rules import RoomRules
 from roomservice.domain.state import (
     CLOSED,
@@ -65,7 +65,14 @@ def _create(state: RoomState | None, command: c.CreateRoom, rules: RoomRules) ->
     if state is not None:
         raise errors.RoomExists()
     seat_count = rules.default_seat_count if command.seat_count is None else command.seat_count
+    _within("seat_count", seat_count, lim.SEAT_COUNT_MIN, lim.SEAT_COUNT_MAX)
     return [e.RoomCreated(owner_id=command.owner_id, title=command.title, seat_count=seat_count)]
+
+
+def _within(name: str, value: int, low: int, high: int) -> None:
+    """The numeric limits of SPEC §3 hold here too, not only at the HTTP edge."""
+    if not low <= value <= high:
+        raise errors.InvalidArgument(f"{name} must be in {low}..{high}")
 
 
 def _join(state: RoomState, command: c.JoinRoom, now_ms: int) -> Payloads:
@@ -101,6 +108,7 @@ def _take_mic(state: RoomState, command: c.TakeMic) -> Payloads:
 
 
 def _send_gift(state: RoomState, command: c.SendGift, now_ms: int, rules: RoomRules) -> Payloads:
+    _within("count", command.count, lim.GIFT_COUNT_MIN, lim.GIFT_COUNT_MAX)
     gift = rules.gifts.get(command.gift_id)
     if gift is None:
         raise errors.UnknownGift()
@@ -156,7 +164,7 @@ def _open_treasure(state: RoomState, command: c.OpenTreasure, now_ms: int, rules
         return []
     if now_ms < box.open_at_ms:
         raise errors.TreasureTooEarly(box.open_at_ms)
-    recipients = tuple(state.members)[:MAX_TREASURE_RECIPIENTS]
+    recipients = tuple(state.members)[:lim.MAX_TREASURE_RECIPIENTS]
     opened = e.RoomTreasureOpened(box_id=box.box_id, level=box.level, recipients=recipients)
     after = TreasureState(day=treasure.day, energy=treasure.energy, opened=box.level, box=None)
     return [opened, *_maybe_start_countdown(after, now_ms, rules)]
@@ -170,6 +178,7 @@ def _kick(state: RoomState, command: c.KickUser, now_ms: int, rules: RoomRules) 
     if not state.is_member(command.target_id):
         raise errors.NotMember()
     ban_seconds = rules.default_ban_seconds if command.ban_seconds is None else command.ban_seconds
+    _within("ban_seconds", ban_seconds, lim.BAN_SECONDS_MIN, lim.BAN_SECONDS_MAX)
     return [
         *_vacate_seat(state, command.target_id),
         e.RoomUserKicked(
@@ -224,8 +233,9 @@ def evolve(state: RoomState | None, event: e.Event) -> RoomState:
             members=_without(state.members, p.target_id),
             bans={**state.bans, p.target_id: p.banned_until_ms},
         )
-    if isinstance(p, e.RoomClosed):
-        return state.with_(status=CLOSED)
+    if isinstance(p, e.RoomClosed):  # a box mid-countdown never opens
+        t = state.treasure
+        return state.with_(status=CLOSED, treasure=TreasureState(day=t.day, energy=t.energy, opened=t.opened))
     if isinstance(p, e.RoomTreasureCountdownStarted):
         t = state.treasure.on_day(utc_day(event.occurred_at_ms))
         box = PendingBox(box_id=p.box_id, level=p.level, open_at_ms=p.open_at_ms)
@@ -241,7 +251,7 @@ def _without(members: dict[str, int], user_id: str) -> dict[str, int]:
 
 
 def _set_seat(seats: tuple[str | None, ...], index: int, holder: str | None) -> tuple[str | None, ...]:
-    return seats[:index] + (holder,) + seats[index + 1 :]
+    return (*seats[:index], holder, *seats[index + 1:])
 
 
 def stamp(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -22,5 +23,5 @@ class RoomRules:
 
     def __post_init__(self) -> None:
         levels = self.treasure_levels
-        if any(b <= a for a, b in zip(levels, levels[1:], strict=False)) or any(x <= 0 for x in levels):
+        if any(b <= a for a, b in itertools.pairwise(levels)) or any(x <= 0 for x in levels):
             raise ValueError("treasure levels must be positive and strictly increasing")
