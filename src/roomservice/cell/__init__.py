@@ -1,0 +1,1 @@
+"""Room Cells: one actor per active room, their registry, and the lease port with fencing."""

@@ -1,0 +1,1 @@
+"""Logs, command timing and metrics."""

@@ -1,0 +1,283 @@
+"""The write command pipeline of SPEC §2, and the room reads.
+
+    idempotency -> lease + Room Cell -> decide on the current state -> wallet debit (gifts)
+    -> SaveMutation -> apply -> snapshot -> projections -> IM group (CreateRoom) -> respond
+
+Every command, success or failure, logs one ``room_command_timing`` line.
+Nothing external is awaited between deciding and committing except the wallet,
+and nothing after the commit can fail the command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from roomservice import errors
+from roomservice.cell.cell import RoomCell
+from roomservice.cell.lease import LeaseUnavailable
+from roomservice.cell.registry import CellRegistry
+from roomservice.domain import commands as c
+from roomservice.domain import events as e
+from roomservice.domain.decider import decide, replay, stamp
+from roomservice.domain.routing import Target, touches
+from roomservice.domain.rules import RoomRules
+from roomservice.domain.state import RoomState
+from roomservice.domain.view import room_view
+from roomservice.observability.logging import get_logger
+from roomservice.observability.timing import CommandTiming, Stopwatch
+from roomservice.projections.port import Projections
+from roomservice.store.port import CommandIdTaken, LoggedCommand, Mutation, RoomStore, StoreConflict
+from roomservice.wallet.port import (
+    DebitKeyConflict,
+    InsufficientFunds,
+    Wallet,
+    WalletUnavailable,
+    debit_key,
+)
+from roomservice.wallet.reconcile import DebitJournal, JournalEntry
+
+_log = get_logger("roomservice.service")
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+def fingerprint(command: c.Command) -> str:
+    canonical = json.dumps(command.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class GroupProvisioner(Protocol):
+    """Creates a room's IM group synchronously on CreateRoom (best effort, timed)."""
+
+    async def ensure_group(self, *, app_code: str, room_id: str, owner_id: str, title: str) -> None: ...
+
+
+@dataclass(slots=True)
+class ServiceOptions:
+    snapshot_every_n: int = 50
+    wallet_timeout_s: float = 2.0
+    im_timeout_s: float = 3.0
+    room_list_limit: int = 100
+
+
+@dataclass(slots=True)
+class RoomService:
+    store: RoomStore
+    registry: CellRegistry
+    rules: RoomRules
+    wallet: Wallet
+    journal: DebitJournal
+    projections: Projections
+    options: ServiceOptions = field(default_factory=ServiceOptions)
+    groups: GroupProvisioner | None = None
+    clock: Callable[[], int] = wall_clock_ms
+    new_event_id: Callable[[], str] = new_event_id
+    # called after every commit that wrote outbox rows (wakes the local outbox worker)
+    on_outbox_commit: list[Callable[[], None]] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ writes
+
+    async def execute(self, app_code: str, room_id: str, command_id: str, command: c.Command) -> dict[str, Any]:
+        """Run one write command; returns the response body or raises RoomServiceError."""
+        timing = CommandTiming(command=command.name, app_code=app_code, room_id=room_id, command_id=command_id)
+        total = Stopwatch()
+        try:
+            body = await self._execute(app_code, room_id, command_id, command, timing)
+            timing.version = body["version"]
+            return body
+        except errors.RoomServiceError as exc:
+            timing.result = exc.code
+            raise
+        except Exception:
+            timing.result = "internal"
+            raise
+        finally:
+            timing.total_ms = total.elapsed_ms()
+            timing.emit()
+
+    async def _execute(
+        self, app_code: str, room_id: str, command_id: str, command: c.Command, timing: CommandTiming
+    ) -> dict[str, Any]:
+        watch = Stopwatch()
+        for _attempt in range(3):
+            cell = await self._cell(app_code, room_id)
+            timing.lease_ms += watch.lap()
+            try:
+                async with cell.turn():
+                    if cell.retired:  # evicted or fenced while we queued: take the fresh cell
+                        continue
+                    return await self._run_turn(cell, command_id, command, timing, watch)
+            finally:
+                if cell.state is None and not cell.retired:  # no such room: keep no cell for it
+                    await self.registry.retire(cell)
+        raise errors.Retry("room kept moving; retry")
+
+    async def _run_turn(
+        self, cell: RoomCell, command_id: str, command: c.Command, timing: CommandTiming, watch: Stopwatch
+    ) -> dict[str, Any]:
+        """One command on a held cell. Returns the response body."""
+        app_code, room_id = cell.app_code, cell.room_id
+        try:
+            cell.lease = await self.registry.leases.ensure(cell.lease)
+        except LeaseUnavailable as exc:
+            await self.registry.retire(cell)
+            raise errors.Retry(str(exc)) from exc
+        timing.lease_ms += watch.lap()
+
+        print_ = fingerprint(command)
+        logged = cell.remembered(command_id) or await self.store.find_command(app_code, room_id, command_id)
+        timing.idempotency_ms = watch.lap()
+        if logged is not None:
+            return self._replay(logged, print_, timing)
+
+        before = cell.state
+        now_ms = self.clock()
+        payloads = decide(before, command, now_ms=now_ms, rules=self.rules)
+        events = stamp(
+            payloads, state=before, app_code=app_code, room_id=room_id, now_ms=now_ms, new_event_id=self.new_event_id
+        )
+        after = replay(before, events) if events else before
+        assert after is not None  # decide raised room_not_found otherwise
+        types = [ev.type for ev in events]
+        timing.activity_async_outbox = touches(types, Target.ACTIVITY)
+        timing.tencent_im_async_outbox = touches(types, Target.IM)
+
+        gift = next((p for p in payloads if isinstance(p, e.RoomGiftSent)), None)
+        if gift is not None:
+            watch.lap()
+            await self._debit(app_code, room_id, command_id, gift, now_ms)
+            timing.wallet_debit_ms = watch.lap()
+
+        body = self._body(after, events, now_ms)
+        mutation = Mutation(
+            app_code=app_code,
+            room_id=room_id,
+            command_id=command_id,
+            command_type=command.name,
+            fingerprint=print_,
+            command=command.to_dict(),
+            events=tuple(events),
+            response=body,
+            now_ms=now_ms,
+            expected_version=0 if before is None else before.version,
+            epoch=cell.epoch,
+            state_after=after,
+        )
+        watch.lap()
+        try:
+            await self.store.save_mutation(mutation)
+        except CommandIdTaken:
+            # another writer logged this command_id first: our cell is stale; answer as a replay
+            await self.registry.retire(cell)
+            logged = await self.store.find_command(app_code, room_id, command_id)
+            if logged is None:
+                raise errors.Retry("command_id race; retry") from None
+            return self._replay(logged, print_, timing)
+        except StoreConflict as exc:
+            await self.registry.retire(cell)
+            raise errors.Retry("lost the room's lease or version race; retry") from exc
+        timing.save_mutation_ms = watch.lap()
+        cell.commit(after, LoggedCommand(command_id, print_, body, body["version"]))
+        if not events:
+            return body
+
+        for wake in self.on_outbox_commit:
+            wake()
+        if after.version % self.options.snapshot_every_n == 0:
+            await self._snapshot(after, now_ms)
+            timing.snapshot_ms = watch.lap()
+        await self._project(before, after)
+        timing.projection_ms = watch.lap()
+        if isinstance(command, c.CreateRoom):
+            await self._create_group(app_code, room_id, after)
+            timing.tencent_im_ms = watch.lap()
+        return body
+
+    async def _cell(self, app_code: str, room_id: str) -> RoomCell:
+        try:
+            return await self.registry.cell(app_code, room_id)
+        except LeaseUnavailable as exc:
+            raise errors.Retry(str(exc)) from exc
+
+    @staticmethod
+    def _replay(logged: LoggedCommand, print_: str, timing: CommandTiming) -> dict[str, Any]:
+        if logged.fingerprint != print_:
+            raise errors.CommandIdReused()
+        timing.replayed = True
+        return {**logged.response, "replayed": True}
+
+    def _body(self, state: RoomState, events: list[e.Event], now_ms: int) -> dict[str, Any]:
+        return {
+            "room": room_view(state, now_ms=now_ms, level_count=len(self.rules.treasure_levels)),
+            "version": state.version,
+            "events": [{"event_id": ev.event_id, "type": ev.type} for ev in events],
+            "replayed": False,
+        }
+
+    async def _debit(self, app_code: str, room_id: str, command_id: str, gift: e.RoomGiftSent, now_ms: int) -> None:
+        key = debit_key(app_code, room_id, command_id)
+        entry = JournalEntry(key, app_code, room_id, command_id, gift.sender_id, gift.total_value, now_ms)
+        try:
+            async with asyncio.timeout(self.options.wallet_timeout_s):
+                await self.journal.record(entry)
+                await self.wallet.debit(key=key, app_code=app_code, user_id=gift.sender_id, amount=gift.total_value)
+        except InsufficientFunds as exc:
+            await self.journal.forget(key)
+            raise errors.InsufficientBalance() from exc
+        except DebitKeyConflict as exc:
+            raise errors.CommandIdReused("command_id was already used for a different gift") from exc
+        except (WalletUnavailable, TimeoutError) as exc:
+            _log.warning("wallet_unavailable", debit_key=key, error=repr(exc))
+            raise errors.Unavailable("wallet unavailable; retry with the same command_id") from exc
+
+    async def _snapshot(self, state: RoomState, now_ms: int) -> None:
+        try:
+            await self.store.save_snapshot(state, now_ms=now_ms)
+        except Exception:  # recovery still works from an older snapshot plus the log
+            _log.exception("snapshot_failed", app_code=state.app_code, room_id=state.room_id, version=state.version)
+
+    async def _project(self, before: RoomState | None, after: RoomState) -> None:
+        try:
+            await self.projections.room_changed(before, after)
+        except Exception as exc:
+            _log.warning("projection_failed", app_code=after.app_code, room_id=after.room_id, error=repr(exc))
+
+    async def _create_group(self, app_code: str, room_id: str, state: RoomState) -> None:
+        if self.groups is None:
+            return
+        try:
+            async with asyncio.timeout(self.options.im_timeout_s):
+                await self.groups.ensure_group(
+                    app_code=app_code, room_id=room_id, owner_id=state.owner_id, title=state.title
+                )
+        except Exception as exc:  # RoomCreated's outbox row retries EnsureGroup
+            _log.warning("im_group_create_failed", app_code=app_code, room_id=room_id, error=repr(exc))
+
+    # ------------------------------------------------------------------ reads
+
+    async def room(self, app_code: str, room_id: str) -> dict[str, Any]:
+        cell = self.registry.peek(app_code, room_id)
+        state = cell.state if cell is not None else (await self.store.load_room(app_code, room_id)).state
+        if state is None:
+            raise errors.RoomNotFound()
+        return room_view(state, now_ms=self.clock(), level_count=len(self.rules.treasure_levels))
+
+    async def rooms(self, app_code: str, *, limit: int | None = None) -> list[dict[str, object]]:
+        entries = await self.projections.list_rooms(app_code, limit=limit or self.options.room_list_limit)
+        return [entry.to_dict() for entry in entries]
+
+    def gifts(self) -> list[dict[str, object]]:
+        return [{"id": g.id, "name": g.name, "price": g.price} for g in self.rules.gifts.values()]

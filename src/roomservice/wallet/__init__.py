@@ -1,0 +1,1 @@
+"""The wallet port, the embedded wallet, and the reconciliation of orphan debits."""

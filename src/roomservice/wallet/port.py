@@ -1,0 +1,63 @@
+"""The wallet port: debit once per key, look a debit up, refund it.
+
+Errors say whether they are definitive: :class:`InsufficientFunds` and
+:class:`DebitKeyConflict` are answers; :class:`WalletUnavailable` (and a
+timeout) are ambiguous — the debit may or may not have happened, which is why
+the room service keeps a journal of debits it asked for and reconciles it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class WalletError(Exception):
+    pass
+
+
+class InsufficientFunds(WalletError):
+    """The balance does not cover the amount; nothing was debited."""
+
+
+class DebitKeyConflict(WalletError):
+    """The key was used for a different user or amount; nothing was debited."""
+
+
+class WalletUnavailable(WalletError):
+    """The wallet is down or did not answer in time; the debit may have happened."""
+
+
+DEBITED = "debited"
+REFUNDED = "refunded"
+
+
+@dataclass(frozen=True, slots=True)
+class Debit:
+    key: str
+    app_code: str
+    user_id: str
+    amount: int
+    status: str  # debited | refunded
+
+
+def debit_key(app_code: str, room_id: str, command_id: str) -> str:
+    """The idempotency key of a gift's debit: a retry of the command reuses it."""
+    return f"room-gift:{app_code}:{room_id}:{command_id}"
+
+
+class Wallet(Protocol):
+    async def debit(self, *, key: str, app_code: str, user_id: str, amount: int) -> Debit:
+        """Debit ``amount`` once per ``key``; repeating the same call returns the same debit."""
+        ...
+
+    async def lookup(self, key: str) -> Debit | None:
+        """The debit made under ``key``, if any."""
+        ...
+
+    async def refund(self, key: str) -> Debit | None:
+        """Give a debit back (idempotent); None if no debit exists under ``key``."""
+        ...
+
+    async def balance(self, app_code: str, user_id: str) -> int:
+        ...

@@ -1,0 +1,139 @@
+"""Reconciliation of gift debits that no committed command claims.
+
+Before a gift's debit the service journals the key (``wallet_pending_debit``).
+A debit whose command never committed — the wallet timed out, the process
+crashed, the version race was lost and the client gave up — is refunded once
+``reconcile_after`` has passed; a debit that a committed command claims simply
+leaves the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from roomservice.observability.logging import get_logger
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+from roomservice.store.port import RoomStore
+from roomservice.wallet.port import Wallet, WalletError
+
+_log = get_logger("roomservice.wallet")
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    debit_key: str
+    app_code: str
+    room_id: str
+    command_id: str
+    user_id: str
+    amount: int
+    created_at_ms: int
+
+
+class DebitJournal:
+    """The room service's durable record of the debits it asked the wallet for."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def record(self, entry: JournalEntry) -> None:
+        stmt = (
+            sa.insert(t.wallet_pending_debit)
+            .prefix_with("OR IGNORE", dialect="sqlite")
+            .prefix_with("IGNORE", dialect="mysql")
+            .values(
+                debit_key=entry.debit_key,
+                app_code=entry.app_code,
+                room_id=entry.room_id,
+                command_id=entry.command_id,
+                user_id=entry.user_id,
+                amount=entry.amount,
+                created_at_ms=entry.created_at_ms,
+            )
+        )
+        async with self._db.write() as conn:
+            await conn.execute(stmt)
+
+    async def forget(self, debit_key: str) -> None:
+        async with self._db.write() as conn:
+            await conn.execute(sa.delete(t.wallet_pending_debit).where(t.wallet_pending_debit.c.debit_key == debit_key))
+
+    async def older_than(self, before_ms: int, *, limit: int) -> list[JournalEntry]:
+        async with self._db.read() as conn:
+            rows = (
+                await conn.execute(
+                    sa.select(t.wallet_pending_debit)
+                    .where(t.wallet_pending_debit.c.created_at_ms < before_ms)
+                    .order_by(t.wallet_pending_debit.c.created_at_ms)
+                    .limit(limit)
+                )
+            ).all()
+        return [
+            JournalEntry(
+                r.debit_key, r.app_code, r.room_id, r.command_id, r.user_id, int(r.amount), int(r.created_at_ms)
+            )
+            for r in rows
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileReport:
+    checked: int = 0
+    claimed: int = 0
+    refunded: int = 0
+    errors: int = 0
+
+
+class Reconciler:
+    def __init__(
+        self,
+        *,
+        journal: DebitJournal,
+        wallet: Wallet,
+        store: RoomStore,
+        reconcile_after_ms: int,
+        clock: Callable[[], int],
+        batch_size: int = 200,
+    ) -> None:
+        self._journal = journal
+        self._wallet = wallet
+        self._store = store
+        self._after_ms = reconcile_after_ms
+        self._clock = clock
+        self._batch_size = batch_size
+
+    async def run_once(self) -> ReconcileReport:
+        entries = await self._journal.older_than(self._clock() - self._after_ms, limit=self._batch_size)
+        claimed = refunded = errors = 0
+        for entry in entries:
+            try:
+                if await self._store.find_command(entry.app_code, entry.room_id, entry.command_id) is not None:
+                    claimed += 1
+                else:
+                    debit = await self._wallet.refund(entry.debit_key)
+                    if debit is not None:
+                        refunded += 1
+                        _log.warning(
+                            "wallet_debit_refunded",
+                            debit_key=entry.debit_key,
+                            user_id=entry.user_id,
+                            amount=entry.amount,
+                        )
+                await self._journal.forget(entry.debit_key)
+            except (WalletError, TimeoutError) as exc:  # try again next pass
+                errors += 1
+                _log.warning("wallet_reconcile_failed", debit_key=entry.debit_key, error=str(exc))
+        return ReconcileReport(len(entries), claimed, refunded, errors)
+
+    async def run(self, *, interval_s: float) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except Exception:
+                _log.exception("wallet_reconcile_pass_failed")
+            await asyncio.sleep(interval_s)
