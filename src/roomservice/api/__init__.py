@@ -1,0 +1,1 @@
+"""The gateway-facing HTTP API (SPEC §8)."""

@@ -1,0 +1,126 @@
+"""``room-service``: serve the API, run migrations.
+
+    room-service serve [--config FILE] [--host H] [--port P] [--data-dir DIR]
+    room-service db upgrade [--config FILE] [--data-dir DIR]
+
+With no ``--config`` the packaged ``configs/local.yaml`` is used: SQLite at
+``<data-dir>/room.db`` (data dir ``./var``), everything in process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import uvicorn
+
+from roomservice.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(help="room-service: live voice-chat rooms with a transactional outbox.", no_args_is_help=True)
+db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="YAML config file (default: the packaged configs/local.yaml)."),
+]
+DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where the embedded mode keeps its files.")]
+
+
+def _settings(config: Path | None, data_dir: Path) -> Settings:
+    if config is not None and not config.is_file():
+        raise typer.BadParameter(f"no such file: {config}", param_hint="--config")
+    try:
+        return load_settings(config).with_data_dir(data_dir)
+    except ConfigError as exc:
+        typer.echo(f"config error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def admin_token(settings: Settings, data_dir: Path) -> str:
+    """The configured token, else the one in ``<data-dir>/admin-token``, generated on first start."""
+    configured = settings.admin.token.get_secret_value()
+    if configured:
+        return configured
+    path = data_dir / "admin-token"
+    if path.is_file():
+        token = path.read_text().strip()
+        if token:
+            return token
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (overrides http.host).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (overrides http.port; 0 = any free port).")] = None,
+    data_dir: DataDirOpt = Path("var"),
+) -> None:
+    """Run the HTTP API with Room Cells and every in-process part the config enables."""
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = _settings(config, data_dir)
+    from roomservice.observability.logging import configure_logging
+
+    configure_logging(level=settings.logging.level, json=settings.logging.json)
+    token = admin_token(settings, data_dir)
+    asyncio.run(
+        _serve(
+            settings,
+            host=host or settings.http.host,
+            port=settings.http.port if port is None else port,
+            token=token,
+            data_dir=data_dir,
+        )
+    )
+
+
+async def _serve(settings: Settings, *, host: str, port: int, token: str, data_dir: Path) -> None:
+    from roomservice.api.app import ApiContext, create_app
+    from roomservice.observability.logging import get_logger
+    from roomservice.runtime import Runtime
+
+    log = get_logger("roomservice.cli")
+    async with Runtime.running(settings) as runtime:
+        api = create_app(ApiContext(service=runtime.service, health=runtime.health, admin_token=token))
+        server = uvicorn.Server(
+            uvicorn.Config(api, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+        )
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn exposes only a flag
+            await asyncio.sleep(0.05)
+        if server.started:
+            bound = [s.getsockname() for srv in server.servers for s in (srv.sockets or [])]
+            actual_port = bound[0][1] if bound else port
+            (data_dir / "http-port").write_text(f"{actual_port}\n")
+            log.info("serving", host=host, port=actual_port, data_dir=str(data_dir))
+        await serving
+
+
+@db_app.command("upgrade")
+def db_upgrade(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None:
+    """Apply all database migrations."""
+    from roomservice.store.migrate import upgrade_url
+
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = _settings(config, data_dir)
+    upgrade_url(settings.database.connect_url())
+    typer.echo("database is up to date")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The composition root: builds every part from Settings, runs the background loops, stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from roomservice.cell.lease import InProcessLeases, LeaseManager
+from roomservice.cell.registry import CellRegistry
+from roomservice.config import Settings
+from roomservice.health import HealthChecks
+from roomservice.observability.logging import get_logger
+from roomservice.projections.port import InProcessProjections, RoomListEntry
+from roomservice.service import RoomService, ServiceOptions, wall_clock_ms
+from roomservice.store.database import Database
+from roomservice.store.migrate import upgrade
+from roomservice.store.sql import SqlRoomStore
+from roomservice.wallet.embedded import EmbeddedWallet
+from roomservice.wallet.port import Wallet
+from roomservice.wallet.reconcile import DebitJournal, Reconciler
+
+_log = get_logger("roomservice.runtime")
+
+PROJECTION_SEED_LIMIT = 10_000
+
+
+@dataclass(slots=True)
+class Runtime:
+    settings: Settings
+    db: Database
+    store: SqlRoomStore
+    leases: LeaseManager
+    registry: CellRegistry
+    wallet: Wallet
+    reconciler: Reconciler
+    service: RoomService
+    health: HealthChecks
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_report_crash)
+        self.tasks.append(task)
+
+    @classmethod
+    @asynccontextmanager
+    async def running(
+        cls,
+        settings: Settings,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        wallet: Wallet | None = None,
+        background: bool = True,
+    ) -> AsyncIterator[Runtime]:
+        """Start everything ``settings`` describes; stop it all on exit.
+
+        ``wallet`` replaces the configured wallet (tests); ``background=False``
+        skips the periodic loops (eviction, reconciliation) for tests that
+        drive them by hand.
+        """
+        db = Database.from_url(
+            settings.database.connect_url(),
+            pool_size=settings.database.pool_size,
+            max_overflow=settings.database.max_overflow,
+            echo=settings.database.echo,
+        )
+        try:
+            if settings.database.auto_migrate:
+                await upgrade(db)
+            runtime = await cls._build(settings, db, clock=clock, wallet=wallet)
+            if background:
+                runtime._start_loops()
+            _log.info(
+                "runtime_started",
+                database=db.dialect_name,
+                publish_mode=settings.outbox_worker.publish_mode,
+                wallet=settings.wallet.driver if wallet is None else type(wallet).__name__,
+            )
+            try:
+                yield runtime
+            finally:
+                await runtime._stop()
+        finally:
+            await db.dispose()
+
+    @classmethod
+    async def _build(
+        cls, settings: Settings, db: Database, *, clock: Callable[[], int], wallet: Wallet | None
+    ) -> Runtime:
+        store = SqlRoomStore(db)
+        leases = InProcessLeases()
+        registry = CellRegistry(
+            store=store, leases=leases, idle_after_s=settings.room.idle_evict_after.total_seconds()
+        )
+        if wallet is None:
+            if settings.wallet.driver != "embedded":
+                raise NotImplementedError(f"wallet.driver {settings.wallet.driver!r} is not available yet")
+            wallet = EmbeddedWallet(db, starting_balance=settings.wallet.starting_balance, clock=clock)
+        journal = DebitJournal(db)
+        reconciler = Reconciler(
+            journal=journal,
+            wallet=wallet,
+            store=store,
+            reconcile_after_ms=int(settings.wallet.reconcile_after.total_seconds() * 1000),
+            clock=clock,
+        )
+        projections = InProcessProjections()
+        summaries = await store.list_room_summaries(limit=PROJECTION_SEED_LIMIT)
+        await projections.seed(
+            [
+                RoomListEntry(
+                    app_code=r.app_code,
+                    room_id=r.room_id,
+                    title=r.title,
+                    owner_id=r.owner_id,
+                    status=r.status,
+                    member_count=r.member_count,
+                    heat=r.heat,
+                    version=r.version,
+                )
+                for r in summaries
+            ]
+        )
+        service = RoomService(
+            store=store,
+            registry=registry,
+            rules=settings.room_rules(),
+            wallet=wallet,
+            journal=journal,
+            projections=projections,
+            options=ServiceOptions(
+                snapshot_every_n=settings.room.snapshot_every_n,
+                wallet_timeout_s=settings.wallet.timeout.total_seconds(),
+            ),
+            clock=clock,
+        )
+        health = HealthChecks()
+        health.register("database", store.ping)
+        return cls(
+            settings=settings,
+            db=db,
+            store=store,
+            leases=leases,
+            registry=registry,
+            wallet=wallet,
+            reconciler=reconciler,
+            service=service,
+            health=health,
+        )
+
+    def _start_loops(self) -> None:
+        room = self.settings.room
+        evict_every = max(1.0, min(60.0, room.idle_evict_after.total_seconds() / 4))
+        self.spawn("cell-eviction", self.registry.run_eviction(interval_s=evict_every))
+        self.spawn(
+            "wallet-reconcile",
+            self.reconciler.run(interval_s=self.settings.wallet.reconcile_interval.total_seconds()),
+        )
+
+    async def _stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.registry.close()
+        _log.info("runtime_stopped")
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("background_task_crashed", task=task.get_name(), error=repr(task.exception()))

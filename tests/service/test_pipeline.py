@@ -1,0 +1,322 @@
+"""The write command pipeline end to end on a real store: idempotency, wallet, fencing, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from structlog.testing import capture_logs
+from tests.service.conftest import Clock, RuntimeFactory
+from tests.service.helpers import APP, count, logged_versions, outbox_rows, run
+
+from roomservice import errors
+from roomservice.domain import commands as c
+from roomservice.runtime import Runtime
+from roomservice.store import tables as t
+from roomservice.wallet.fake import FakeWallet
+
+TIMING_FIELDS = {
+    "command",
+    "app_code",
+    "room_id",
+    "command_id",
+    "result",
+    "version",
+    "total_ms",
+    "idempotency_ms",
+    "lease_ms",
+    "wallet_debit_ms",
+    "save_mutation_ms",
+    "snapshot_ms",
+    "projection_ms",
+    "activity_ms",
+    "tencent_im_ms",
+    "activity_async_outbox",
+    "tencent_im_async_outbox",
+}
+
+
+async def open_room(rt: Runtime, room: str = "r1", *members: str) -> None:
+    await run(rt, room, f"{room}-create", c.CreateRoom(owner_id="owner", title="Room"))
+    for user in members:
+        await run(rt, room, f"{room}-join-{user}", c.JoinRoom(user_id=user))
+
+
+async def test_create_commits_version_one_with_outbox_row(runtime: Runtime) -> None:
+    body = await run(runtime, "r1", "cmd-1", c.CreateRoom(owner_id="owner", title="Hi"))
+    assert body["version"] == 1
+    assert body["replayed"] is False
+    assert [e["type"] for e in body["events"]] == ["RoomCreated"]
+    rows = await outbox_rows(runtime, "r1")
+    assert [(r.event_type, r.status, r.room_version) for r in rows] == [("RoomCreated", "pending", 1)]
+    assert rows[0].event_id == body["events"][0]["event_id"]
+
+
+async def test_same_command_id_replays_original_response(runtime: Runtime) -> None:
+    await open_room(runtime)
+    first = await run(runtime, "r1", "join-bob", c.JoinRoom(user_id="bob"))
+    again = await run(runtime, "r1", "join-bob", c.JoinRoom(user_id="bob"))
+    assert again == {**first, "replayed": True}
+    assert len(await outbox_rows(runtime, "r1")) == 2  # RoomCreated + one RoomUserJoined
+
+
+async def test_replay_survives_a_restart(runtime_factory: RuntimeFactory) -> None:
+    async with runtime_factory() as rt:
+        await open_room(rt)
+        first = await run(rt, "r1", "join-bob", c.JoinRoom(user_id="bob"))
+    async with runtime_factory() as rt:
+        again = await run(rt, "r1", "join-bob", c.JoinRoom(user_id="bob"))
+        assert again == {**first, "replayed": True}
+        assert len(await outbox_rows(rt, "r1")) == 2
+
+
+async def test_reused_command_id_with_other_payload_is_409(runtime: Runtime) -> None:
+    await open_room(runtime)
+    await run(runtime, "r1", "x", c.JoinRoom(user_id="bob"))
+    with pytest.raises(errors.CommandIdReused):
+        await run(runtime, "r1", "x", c.JoinRoom(user_id="carol"))
+    view = await runtime.service.room(APP, "r1")
+    assert [m["user_id"] for m in view["members"]] == ["owner", "bob"]
+
+
+async def test_noop_is_logged_without_version_bump(runtime: Runtime) -> None:
+    await open_room(runtime, "r1", "bob")
+    body = await run(runtime, "r1", "again", c.JoinRoom(user_id="bob"))
+    assert body["version"] == 2
+    assert body["events"] == []
+    assert await logged_versions(runtime, "r1") == [1, 2, 2]
+    assert len(await outbox_rows(runtime, "r1")) == 2
+
+
+async def test_rejected_command_leaves_nothing(runtime: Runtime) -> None:
+    await open_room(runtime, "r1", "bob")
+    await run(runtime, "r1", "m1", c.TakeMic(user_id="bob", seat=0))
+    before = await logged_versions(runtime, "r1")
+    with pytest.raises(errors.SeatTaken):
+        await run(runtime, "r1", "m2", c.TakeMic(user_id="owner", seat=0))
+    with pytest.raises(errors.NotMember):
+        await run(runtime, "r1", "m3", c.TakeMic(user_id="ghost", seat=1))
+    assert await logged_versions(runtime, "r1") == before == [1, 2, 3]
+    assert await count(runtime, t.room_outbox) == 3
+
+
+async def test_unknown_room_is_404_and_keeps_no_cell(runtime: Runtime) -> None:
+    with pytest.raises(errors.RoomNotFound):
+        await run(runtime, "nope", "j1", c.JoinRoom(user_id="bob"))
+    assert runtime.registry.peek(APP, "nope") is None
+    with pytest.raises(errors.RoomNotFound):
+        await runtime.service.room(APP, "nope")
+
+
+async def test_gift_debits_the_wallet_once(runtime: Runtime, wallet: FakeWallet) -> None:
+    await open_room(runtime, "r1", "bob")
+    price = runtime.service.rules.gifts["rose"].price
+    body = await run(runtime, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=3))
+    again = await run(runtime, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=3))
+    assert again["replayed"] is True
+    assert body["room"]["heat"] == 3 * price
+    assert wallet.balances[(APP, "bob")] == 10_000 - 3 * price
+    assert len(wallet.debits) == 1
+
+
+async def test_insufficient_balance_leaves_no_trace(runtime: Runtime, wallet: FakeWallet) -> None:
+    await open_room(runtime, "r1", "bob")
+    rows_before = await count(runtime, t.room_outbox)
+    with pytest.raises(errors.InsufficientBalance):
+        await run(runtime, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="crown", count=9))
+    assert await count(runtime, t.room_outbox) == rows_before
+    assert await count(runtime, t.wallet_pending_debit) == 0
+    assert await logged_versions(runtime, "r1") == [1, 2]
+    assert wallet.balances.get((APP, "bob"), 10_000) == 10_000
+    assert (await runtime.service.room(APP, "r1"))["heat"] == 0
+
+
+async def test_wallet_down_answers_503_and_commits_nothing(runtime: Runtime, wallet: FakeWallet) -> None:
+    await open_room(runtime, "r1", "bob")
+    wallet.down = True
+    gift = c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1)
+    with pytest.raises(errors.Unavailable):
+        await run(runtime, "r1", "g1", gift)
+    assert await logged_versions(runtime, "r1") == [1, 2]
+    wallet.down = False
+    body = await run(runtime, "r1", "g1", gift)
+    assert body["version"] == 3
+    assert len(wallet.debits) == 1
+
+
+async def test_wallet_timeout_after_debit_never_charges_twice(
+    runtime_factory: RuntimeFactory, wallet: FakeWallet
+) -> None:
+    async with runtime_factory(**{"wallet.timeout": "50ms"}) as rt:
+        await open_room(rt, "r1", "bob")
+        price = rt.service.rules.gifts["rose"].price
+        gift = c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=2)
+        wallet.fail_after_debit = True
+        with pytest.raises(errors.Unavailable):
+            await run(rt, "r1", "g1", gift)
+        wallet.fail_after_debit = False
+        wallet.delay_s = 0.2  # slower than the timeout: ambiguous again
+        with pytest.raises(errors.Unavailable):
+            await run(rt, "r1", "g1", gift)
+        wallet.delay_s = 0
+        await run(rt, "r1", "g1", gift)
+        assert wallet.balances[(APP, "bob")] == 10_000 - 2 * price
+
+
+async def test_reconciliation_refunds_orphan_debits_only(
+    runtime_factory: RuntimeFactory, wallet: FakeWallet, clock: Clock
+) -> None:
+    async with runtime_factory(**{"wallet.reconcile_after": "10m"}) as rt:
+        await open_room(rt, "r1", "bob")
+        price = rt.service.rules.gifts["rose"].price
+        await run(rt, "r1", "ok", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1))
+        wallet.fail_after_debit = True
+        with pytest.raises(errors.Unavailable):
+            await run(rt, "r1", "orphan", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=5))
+        wallet.fail_after_debit = False
+        assert wallet.balances[(APP, "bob")] == 10_000 - 6 * price
+
+        early = await rt.reconciler.run_once()
+        assert early.checked == 0  # nothing is old enough yet
+        clock.advance(11 * 60_000)
+        report = await rt.reconciler.run_once()
+        assert (report.checked, report.claimed, report.refunded) == (2, 1, 1)
+        assert wallet.balances[(APP, "bob")] == 10_000 - price
+        assert await count(rt, t.wallet_pending_debit) == 0
+        assert (await rt.reconciler.run_once()).checked == 0
+
+
+async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Runtime) -> None:
+    await open_room(runtime)
+    bodies = await asyncio.gather(
+        *(run(runtime, "r1", f"join-{i}", c.JoinRoom(user_id=f"user{i}")) for i in range(50))
+    )
+    assert sorted(b["version"] for b in bodies) == list(range(2, 52))
+    assert await logged_versions(runtime, "r1") == list(range(1, 52))
+    view = await runtime.service.room(APP, "r1")
+    assert view["version"] == 51
+    assert len(view["members"]) == 51
+    rows = await outbox_rows(runtime, "r1")
+    assert sorted(r.room_version for r in rows) == list(range(1, 52))
+
+
+async def test_fenced_writer_cannot_commit(runtime: Runtime) -> None:
+    await open_room(runtime, "r1", "bob")
+    # another process takes the room: its lease bumps the durable epoch
+    await runtime.store.take_lease_epoch(APP, "r1")
+    with pytest.raises(errors.Retry):
+        await run(runtime, "r1", "j2", c.JoinRoom(user_id="carol"))
+    assert await logged_versions(runtime, "r1") == [1, 2]
+    # the stale cell was dropped; the retry reloads, takes a new epoch and commits
+    body = await run(runtime, "r1", "j2", c.JoinRoom(user_id="carol"))
+    assert body["version"] == 3
+
+
+async def test_lost_lease_answers_retry(runtime: Runtime) -> None:
+    await open_room(runtime, "r1")
+    runtime.leases.revoke(APP, "r1")  # type: ignore[attr-defined]
+    with pytest.raises(errors.Retry):
+        await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob"))
+    assert (await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob")))["version"] == 2
+
+
+async def test_recovery_from_snapshot_and_log_equals_live_state(
+    runtime_factory: RuntimeFactory, clock: Clock
+) -> None:
+    async with runtime_factory(**{"room.snapshot_every_n": 7}) as rt:
+        await open_room(rt, "r1")
+        for i in range(30):
+            await run(rt, "r1", f"j{i}", c.JoinRoom(user_id=f"u{i}"))
+            clock.advance(1000)
+        for i in range(0, 8):
+            await run(rt, "r1", f"m{i}", c.TakeMic(user_id=f"u{i}", seat=i))
+        for i in range(10):
+            await run(rt, "r1", f"g{i}", c.SendGift(sender_id=f"u{i}", receiver_id="owner", gift_id="rocket", count=1))
+        await run(rt, "r1", "leave3", c.LeaveRoom(user_id="u3"))
+        await run(rt, "r1", "kick5", c.KickUser(operator_id="owner", target_id="u5"))
+        await run(rt, "r1", "rejoin3", c.JoinRoom(user_id="u3"))
+        cell = rt.registry.peek(APP, "r1")
+        assert cell is not None and cell.state is not None
+        live = cell.state
+        assert live.treasure.box is not None  # the rocket gifts started a countdown
+        assert await count(rt, t.room_snapshot) >= 1
+    async with runtime_factory(**{"room.snapshot_every_n": 7}) as rt:
+        loaded = await rt.store.load_room(APP, "r1")
+        assert loaded.snapshot_version > 0
+        assert loaded.state == live
+        assert list(loaded.state.members) == list(live.members)
+
+
+async def test_idle_cells_are_evicted_and_reload(runtime_factory: RuntimeFactory) -> None:
+    async with runtime_factory(**{"room.idle_evict_after": "1ms"}) as rt:
+        await open_room(rt, "r1", "bob")
+        await asyncio.sleep(0.01)
+        assert await rt.registry.evict_idle() == 1
+        assert rt.registry.peek(APP, "r1") is None
+        body = await run(rt, "r1", "j2", c.JoinRoom(user_id="carol"))
+        assert body["version"] == 3
+        assert [m["user_id"] for m in body["room"]["members"]] == ["owner", "bob", "carol"]
+
+
+async def test_projection_failure_never_fails_a_command(runtime: Runtime) -> None:
+    runtime.service.projections.fail = True  # type: ignore[attr-defined]
+    with capture_logs() as logs:
+        body = await run(runtime, "r1", "c1", c.CreateRoom(owner_id="owner", title="x"))
+    assert body["version"] == 1
+    assert any(entry["event"] == "projection_failed" for entry in logs)
+
+
+async def test_room_list_and_presence_follow_commits(runtime: Runtime) -> None:
+    await open_room(runtime, "r1", "bob")
+    await open_room(runtime, "r2", "carol", "dave")
+    rooms = await runtime.service.rooms(APP)
+    assert [r["room_id"] for r in rooms] == ["r2", "r1"]  # busiest first
+    assert await runtime.service.projections.room_of(APP, "bob") == "r1"
+    await run(runtime, "r1", "close", c.CloseRoom(operator_id="owner"))
+    assert [r["room_id"] for r in await runtime.service.rooms(APP)] == ["r2"]
+    assert await runtime.service.projections.room_of(APP, "bob") is None
+
+
+async def test_every_command_logs_timing_with_all_fields(runtime: Runtime) -> None:
+    with capture_logs() as logs:
+        await open_room(runtime, "r1", "bob")
+        await run(runtime, "r1", "g", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1))
+        with pytest.raises(errors.NotMember):
+            await run(runtime, "r1", "m", c.TakeMic(user_id="zed", seat=0))
+    timings = [e for e in logs if e["event"] == "room_command_timing"]
+    assert [(e["command"], e["result"]) for e in timings] == [
+        ("CreateRoom", "ok"),
+        ("JoinRoom", "ok"),
+        ("SendGift", "ok"),
+        ("TakeMic", "not_member"),
+    ]
+    for entry in timings:
+        assert set(entry) >= TIMING_FIELDS
+        assert entry["activity_ms"] == 0
+    gift = timings[2]
+    assert gift["wallet_debit_ms"] > 0
+    assert gift["activity_async_outbox"] is True and gift["tencent_im_async_outbox"] is True
+    assert timings[0]["version"] == 1 and timings[2]["version"] == 3
+
+
+async def test_treasure_opens_only_when_due(runtime: Runtime, clock: Clock) -> None:
+    await open_room(runtime, "r1", "bob")
+    levels = runtime.service.rules.treasure_levels
+    price = runtime.service.rules.gifts["rocket"].price
+    count_needed = -(-levels[0] // price)
+    body = await run(
+        runtime, "r1", "g", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rocket", count=count_needed)
+    )
+    assert [e["type"] for e in body["events"]] == ["RoomGiftSent", "RoomTreasureCountdownStarted"]
+    box = body["room"]["treasure"]
+    assert box["state"] == "counting_down"
+    wake = c.OpenTreasure(box_id=box["box_id"], level=1, open_at_ms=box["open_at_ms"])
+    with pytest.raises(errors.TreasureTooEarly):
+        await run(runtime, "r1", f"treasure-open:{box['box_id']}", wake)
+    clock.now_ms = box["open_at_ms"]
+    opened = await run(runtime, "r1", f"treasure-open:{box['box_id']}", wake)
+    assert opened["events"][0]["type"] == "RoomTreasureOpened"
+    duplicate = await run(runtime, "r1", f"treasure-open:{box['box_id']}", wake)
+    assert duplicate["replayed"] is True
+    rows = [r.event_type for r in await outbox_rows(runtime, "r1")]
+    assert rows.count("RoomTreasureOpened") == 1
