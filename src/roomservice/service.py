@@ -33,7 +33,14 @@ from roomservice.domain.view import room_view
 from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.projections.port import Projections
-from roomservice.store.port import CommandIdTaken, LoggedCommand, Mutation, RoomStore, StoreConflict
+from roomservice.store.port import (
+    CommandIdTaken,
+    LoggedCommand,
+    Mutation,
+    RoomStore,
+    StoreConflict,
+    StoreUnavailable,
+)
 from roomservice.wallet.port import (
     DebitKeyConflict,
     InsufficientFunds,
@@ -95,7 +102,10 @@ class RoomService:
         timing = CommandTiming(command=command.name, app_code=app_code, room_id=room_id, command_id=command_id)
         total = Stopwatch()
         try:
-            body = await self._execute(app_code, room_id, command_id, command, timing)
+            try:
+                body = await self._execute(app_code, room_id, command_id, command, timing)
+            except StoreUnavailable as exc:
+                raise errors.Unavailable("database unavailable; retry with the same command_id") from exc
             timing.version = body["version"]
             return body
         except errors.RoomServiceError as exc:
@@ -138,14 +148,28 @@ class RoomService:
         timing.lease_ms += watch.lap()
 
         print_ = fingerprint(command)
-        logged = cell.remembered(command_id) or await self.store.find_command(app_code, room_id, command_id)
+        # Idempotency: the command log's unique (room, command_id) key is the authority.
+        # Recent ids are answered from the cell; a gift, whose wallet debit must not run
+        # for a reused id, is looked up before anything else; any other command finds
+        # out at commit (CommandIdTaken) or when the current state rejects it.
+        logged = cell.remembered(command_id)
+        if logged is None and isinstance(command, c.SendGift):
+            logged = await self.store.find_command(app_code, room_id, command_id)
         timing.idempotency_ms = watch.lap()
         if logged is not None:
             return self._replay(logged, print_, timing)
 
         before = cell.state
         now_ms = self.clock()
-        payloads = decide(before, command, now_ms=now_ms, rules=self.rules)
+        try:
+            payloads = decide(before, command, now_ms=now_ms, rules=self.rules)
+        except errors.DomainError:
+            # a retry of a committed command may be invalid on today's state: answer the original
+            logged = await self.store.find_command(app_code, room_id, command_id)
+            timing.idempotency_ms += watch.lap()
+            if logged is not None:
+                return self._replay(logged, print_, timing)
+            raise
         events = stamp(
             payloads, state=before, app_code=app_code, room_id=room_id, now_ms=now_ms, new_event_id=self.new_event_id
         )
@@ -180,12 +204,16 @@ class RoomService:
         try:
             await self.store.save_mutation(mutation)
         except CommandIdTaken:
-            # another writer logged this command_id first: our cell is stale; answer as a replay
-            await self.registry.retire(cell)
+            # already committed (a retry, or a race with another writer): answer the original
             logged = await self.store.find_command(app_code, room_id, command_id)
             if logged is None:
                 raise errors.Retry("command_id race; retry") from None
+            cell.remember(logged)
             return self._replay(logged, print_, timing)
+        except StoreUnavailable as exc:
+            # the commit may or may not have happened: never trust this cell's state again
+            await self.registry.retire(cell)
+            raise errors.Unavailable("database unavailable; retry with the same command_id") from exc
         except StoreConflict as exc:
             await self.registry.retire(cell)
             raise errors.Retry("lost the room's lease or version race; retry") from exc
@@ -270,7 +298,13 @@ class RoomService:
 
     async def room(self, app_code: str, room_id: str) -> dict[str, Any]:
         cell = self.registry.peek(app_code, room_id)
-        state = cell.state if cell is not None else (await self.store.load_room(app_code, room_id)).state
+        if cell is not None:
+            state = cell.state
+        else:
+            try:
+                state = (await self.store.load_room(app_code, room_id)).state
+            except StoreUnavailable as exc:
+                raise errors.Unavailable("database unavailable") from exc
         if state is None:
             raise errors.RoomNotFound()
         return room_view(state, now_ms=self.clock(), level_count=len(self.rules.treasure_levels))

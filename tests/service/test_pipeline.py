@@ -320,3 +320,48 @@ async def test_treasure_opens_only_when_due(runtime: Runtime, clock: Clock) -> N
     assert duplicate["replayed"] is True
     rows = [r.event_type for r in await outbox_rows(runtime, "r1")]
     assert rows.count("RoomTreasureOpened") == 1
+
+
+async def test_replays_with_a_cold_cache_answer_the_original(runtime_factory: RuntimeFactory) -> None:
+    """After a restart the cell has no memory of ids: the log's unique key answers instead."""
+    async with runtime_factory() as rt:
+        created = await run(rt, "r1", "create", c.CreateRoom(owner_id="owner", title="x"))
+        joined = await run(rt, "r1", "join", c.JoinRoom(user_id="bob"))
+        await run(rt, "r1", "leave", c.LeaveRoom(user_id="bob"))
+    async with runtime_factory() as rt:
+        # decide would now say room_exists: the original answer wins
+        assert await run(rt, "r1", "create", c.CreateRoom(owner_id="owner", title="x")) == {
+            **created,
+            "replayed": True,
+        }
+        # decide would now emit a fresh join: the commit finds the id taken, nothing new is written
+        assert await run(rt, "r1", "join", c.JoinRoom(user_id="bob")) == {**joined, "replayed": True}
+        with pytest.raises(errors.CommandIdReused):
+            await run(rt, "r1", "leave", c.LeaveRoom(user_id="carol"))
+        assert await logged_versions(rt, "r1") == [1, 2, 3]
+        assert len(await outbox_rows(rt, "r1")) == 3
+        view = await rt.service.room(APP, "r1")
+        assert [m["user_id"] for m in view["members"]] == ["owner"]
+
+
+async def test_database_failure_at_commit_answers_503_and_reloads(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from roomservice.store.port import StoreUnavailable
+
+    await open_room(runtime, "r1")
+    real_save = runtime.store.save_mutation
+
+    async def save_then_lose_the_answer(mutation: object) -> None:
+        await real_save(mutation)  # type: ignore[arg-type]
+        raise StoreUnavailable("connection lost during COMMIT")
+
+    monkeypatch.setattr(runtime.store, "save_mutation", save_then_lose_the_answer)
+    with pytest.raises(errors.Unavailable):
+        await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob"))
+    assert runtime.registry.peek(APP, "r1") is None  # the cell's state could be stale: dropped
+    monkeypatch.setattr(runtime.store, "save_mutation", real_save)
+    # the commit did happen: the retry is answered from the log, and the reloaded state has bob
+    again = await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob"))
+    assert again["replayed"] is True
+    assert [m["user_id"] for m in (await runtime.service.room(APP, "r1"))["members"]] == ["owner", "bob"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 
@@ -11,7 +11,7 @@ class Command:
     name: ClassVar[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.name, **asdict(self)}
+        return {"type": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ per-type code.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 
@@ -16,7 +16,8 @@ class EventPayload:
     type: ClassVar[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # shallow on purpose (fields are scalars or tuples of str): asdict() deep-copies
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)

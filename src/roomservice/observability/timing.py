@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from roomservice.observability.logging import get_logger
-from roomservice.observability.metrics import COMMAND_SECONDS, COMMANDS
+from roomservice.observability.metrics import observe_command
 
 _log = get_logger("roomservice.command")
 
@@ -33,13 +33,15 @@ class CommandTiming:
     replayed: bool = False
 
     def emit(self) -> None:
-        fields = asdict(self)
-        for key, value in fields.items():
-            if key.endswith("_ms") and isinstance(value, float):
-                fields[key] = round(value, 3)
-        _log.info("room_command_timing", **fields)
-        COMMANDS.labels(self.command, self.result).inc()
-        COMMAND_SECONDS.labels(self.command).observe(self.total_ms / 1000.0)
+        values = {name: getattr(self, name) for name in _FIELDS}
+        for key in _MS_FIELDS:
+            values[key] = round(values[key], 3)
+        _log.info("room_command_timing", **values)
+        observe_command(self.command, self.result, self.total_ms / 1000.0)
+
+
+_FIELDS = tuple(f.name for f in fields(CommandTiming))
+_MS_FIELDS = tuple(name for name in _FIELDS if name.endswith("_ms"))
 
 
 class Stopwatch:

@@ -30,9 +30,9 @@ What differs per backend is decided once, here:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
@@ -40,9 +40,13 @@ from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState, QueuePool
 from sqlalchemy.sql.dml import Insert
+
+from roomservice.store.port import StoreUnavailable
 
 DialectName = Literal["sqlite", "mysql"]
 P = ParamSpec("P")
@@ -125,8 +129,10 @@ class Database:
                 isolation_level="READ COMMITTED",
                 pool_size=pool_size,
                 max_overflow=max_overflow,
-                pool_pre_ping=True,
-                pool_recycle=3600,
+                # No pre-ping: it costs a round trip on every checkout. A dead
+                # connection fails its statement, SQLAlchemy drops the pool, and
+                # the command answers 503 (StoreUnavailable), safe to retry.
+                pool_recycle=300,
             )
         else:
             raise ValueError(f"unsupported database URL scheme {parsed.drivername!r}")
@@ -139,12 +145,13 @@ class Database:
     @asynccontextmanager
     async def write(self) -> AsyncIterator[AsyncConnection]:
         """One write transaction: committed when the block exits, rolled back if it raises."""
-        if self.dialect_name == "sqlite":
-            async with self._write_lock, self._write_transaction() as conn:
-                yield conn
-        else:
-            async with self._write_transaction() as conn:
-                yield conn
+        with _unavailable_on_failure():
+            if self.dialect_name == "sqlite":
+                async with self._write_lock, self._write_transaction() as conn:
+                    yield conn
+            else:
+                async with self._write_transaction() as conn:
+                    yield conn
 
     @asynccontextmanager
     async def _write_transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -156,8 +163,9 @@ class Database:
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """A connection for reads. Each statement sees committed data; write nothing through it."""
-        async with self._read_engine.connect() as conn:
-            yield conn
+        with _unavailable_on_failure():
+            async with self._read_engine.connect() as conn:
+                yield conn
 
     async def run_write(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(conn, *args, **kwargs)`` in one write transaction (committed unless it raises)."""
@@ -173,8 +181,9 @@ class Database:
                 conn.info[_COMMITTED] = True
                 return result
 
-        async with self._write_lock:
-            return await self._in_thread(unit)
+        with _unavailable_on_failure():
+            async with self._write_lock:
+                return await self._in_thread(unit)
 
     async def run_read(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(conn, *args, **kwargs)`` on a read connection."""
@@ -187,7 +196,8 @@ class Database:
             with engine.connect() as conn:
                 return fn(conn, *args, **kwargs)
 
-        return await self._in_thread(unit)
+        with _unavailable_on_failure():
+            return await self._in_thread(unit)
 
     async def _in_thread(self, unit: Callable[[], T]) -> T:
         future = asyncio.get_running_loop().run_in_executor(self._threads, unit)
@@ -221,6 +231,15 @@ class Database:
 
 def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:")
+
+
+@contextmanager
+def _unavailable_on_failure() -> Iterator[None]:
+    """Turn "the database did not answer" into :class:`StoreUnavailable`; other errors pass."""
+    try:
+        yield
+    except (OperationalError, InterfaceError, PoolTimeoutError) as exc:
+        raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}") from exc
 
 
 def _ensure_sqlite_parent_dir(url: URL) -> None:

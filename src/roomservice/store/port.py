@@ -21,6 +21,14 @@ class StoreConflict(Exception):
     """
 
 
+class StoreUnavailable(Exception):
+    """The database did not answer (connection lost, pool exhausted, deadlock).
+
+    For a write the outcome is unknown: it may have committed. The caller
+    answers ``503 unavailable`` and reloads the room before trusting its state.
+    """
+
+
 class CommandIdTaken(StoreConflict):
     """Another writer logged the same command_id first (read it back with find_command)."""
 
