@@ -1,0 +1,1 @@
+"""The outbox worker: claim due rows, publish them by mode, finish them; retention and admin."""

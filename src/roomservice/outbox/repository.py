@@ -1,0 +1,54 @@
+"""The outbox repository port: the SQL the worker runs, in short transactions only.
+
+Every finishing write is guarded by the claim (``status = 'delivering' AND
+lock_owner = :owner``): a worker whose claim expired and was taken over
+changes nothing. Adapters: :class:`roomservice.outbox.sql.SqlOutboxRepository`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from roomservice.outbox.model import ClaimedRow
+
+
+@dataclass(frozen=True, slots=True)
+class RetryDecision:
+    """How to finish a row that did not reach all its targets."""
+
+    row_id: int
+    targets_done: str
+    failed: bool  # True: dead letter (max_retry_count reached or permanent error)
+    next_retry_at_ms: int
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    row_id: int
+    targets_done: str
+
+
+class OutboxRepository(Protocol):
+    async def claim_due(self, *, owner: str, now_ms: int, lock_ms: int, limit: int) -> list[ClaimedRow]:
+        """Claim up to ``limit`` rows: pending, retryable due by ``now_ms``, delivering with an expired lock.
+
+        One short transaction; claimed rows become ``delivering`` with ``lock_owner = owner``
+        and ``lock_until_ms = now_ms + lock_ms``. Rows claimed by a live lock are never returned.
+        """
+        ...
+
+    async def finish(
+        self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]
+    ) -> int:
+        """Finish rows in one transaction, each write guarded by the claim. Returns rows changed."""
+        ...
+
+    async def release(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
+        """Hand unfinished claims back (graceful shutdown): delivering -> pending/retryable as before."""
+        ...
+
+    async def delete_delivered(self, *, before_ms: int, limit: int) -> int:
+        """Delete up to ``limit`` delivered (or legacy published) rows delivered before ``before_ms``."""
+        ...

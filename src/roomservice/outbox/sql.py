@@ -1,0 +1,433 @@
+"""``SqlOutboxRepository``: the :class:`OutboxRepository` port on SQLite and MySQL/MariaDB.
+
+Every operation is one short write transaction run as a single synchronous
+unit through :meth:`Database.run_write` (one thread hop on SQLite); statements
+are built once, at import.
+
+Claiming (SPEC §4, §10). ``due_at_ms`` is the claim key of every claimable
+status, indexed with ``status``: ``retryable`` -> ``next_retry_at_ms``,
+``delivering`` -> ``lock_until_ms``, ``pending`` -> ``created_at_ms``. A
+pending row is claimable whatever its ``due_at_ms`` (it only orders them,
+oldest first): a worker whose clock lags the writer's must not leave fresh
+rows behind. Pending rows go first, then due retryable rows, then delivering
+rows whose lock expired.
+
+* MySQL/MariaDB (READ COMMITTED): one indexed ``SELECT … WHERE status = :s
+  [AND due_at_ms <= :now] ORDER BY due_at_ms LIMIT :n FOR UPDATE SKIP LOCKED``
+  per status, for the count still missing and only while it is missing (never
+  an OR across statuses: it defeats the index and locks what it scans), then
+  one ``UPDATE … WHERE id IN (…)``. Rows another worker is claiming are
+  skipped, not waited for.
+* SQLite: one ``UPDATE … WHERE id IN (<pending> UNION ALL <retryable> UNION ALL
+  <delivering> … LIMIT :n) RETURNING …`` in a ``BEGIN IMMEDIATE`` transaction.
+  SQLite has one writer at a time, across processes too, so the statement
+  reads and marks its rows atomically.
+
+Every finishing write is guarded by the claim (``status = 'delivering' AND
+lock_owner = :owner``): a worker whose lock expired and was taken over changes
+nothing, and the returned row counts say so.
+
+Retention runs in one process at a time: :meth:`try_maintenance_lock` is a
+``GET_LOCK`` held on a dedicated connection on MySQL/MariaDB, and a
+process-local lock on SQLite (see there why that is enough).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+from sqlalchemy import (
+    Connection,
+    Row,
+    Select,
+    bindparam,
+    case,
+    delete,
+    func,
+    literal_column,
+    null,
+    select,
+    text,
+    union_all,
+    update,
+)
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from roomservice.outbox.model import ClaimedRow, Status, parse_targets
+from roomservice.outbox.repository import Delivered, RetryDecision
+from roomservice.store.database import Database
+from roomservice.store.port import StoreUnavailable
+from roomservice.store.tables import room_outbox
+
+LAST_ERROR_MAX_CHARS: Final = 2000
+# MySQL refuses user-lock names longer than 64 characters.
+_MYSQL_LOCK_NAME_MAX: Final = 64
+
+_o = room_outbox
+_c = room_outbox.c
+
+_PENDING: Final = Status.PENDING.value
+_RETRYABLE: Final = Status.RETRYABLE.value
+_DELIVERING: Final = Status.DELIVERING.value
+_DELIVERED: Final = Status.DELIVERED.value
+_FAILED: Final = Status.FAILED.value
+_PUBLISHED: Final = Status.PUBLISHED.value
+
+# What a ClaimedRow needs besides the claim itself (owner and lock_until_ms are known).
+_CLAIM_COLUMNS: Final = (
+    _c.id,
+    _c.event_id,
+    _c.app_code,
+    _c.room_id,
+    _c.room_version,
+    _c.event_type,
+    _c.payload,
+    _c.retry_count,
+    _c.targets_done,
+    _c.created_at_ms,
+)
+
+_IS_OURS: Final = (_c.status == _DELIVERING) & (_c.lock_owner == bindparam("b_owner"))
+
+# --------------------------------------------------------------------------- claim: MySQL/MariaDB
+
+
+def _mysql_claim_select(*, due: bool) -> Select[Any]:
+    """Rows of one status (``b_status``), oldest ``due_at_ms`` first, locked, skipping locked ones."""
+    where = [_c.status == bindparam("b_status")]
+    if due:
+        where.append(_c.due_at_ms <= bindparam("b_now"))
+    return (
+        select(*_CLAIM_COLUMNS)
+        .where(*where)
+        .order_by(_c.due_at_ms)
+        .limit(bindparam("b_limit"))
+        .with_for_update(skip_locked=True)
+    )
+
+
+MYSQL_CLAIM_PENDING: Final = _mysql_claim_select(due=False)
+MYSQL_CLAIM_DUE: Final = _mysql_claim_select(due=True)
+_MYSQL_CLAIM_STEPS: Final = (
+    (MYSQL_CLAIM_PENDING, _PENDING),
+    (MYSQL_CLAIM_DUE, _RETRYABLE),
+    (MYSQL_CLAIM_DUE, _DELIVERING),
+)
+
+_CLAIM_VALUES: Final = {
+    "status": _DELIVERING,
+    "lock_owner": bindparam("b_owner"),
+    "lock_until_ms": bindparam("b_until"),
+    "due_at_ms": bindparam("b_until"),
+    "updated_at_ms": bindparam("b_now"),
+}
+_MYSQL_MARK_CLAIMED: Final = update(_o).where(_c.id.in_(bindparam("b_ids", expanding=True))).values(**_CLAIM_VALUES)
+
+# --------------------------------------------------------------------------- claim: SQLite
+
+
+def _sqlite_claim_update() -> Any:
+    """``UPDATE … WHERE id IN (<the first b_limit claimable ids>) RETURNING <claim columns>``."""
+
+    def branch(priority: int, status: str, *, due: bool) -> Select[Any]:
+        where = [_c.status == status]
+        if due:
+            where.append(_c.due_at_ms <= bindparam("b_now"))
+        # SQLite allows ORDER BY/LIMIT in a compound member only inside a subquery.
+        inner = (
+            select(_c.id.label("id"), literal_column(str(priority)).label("priority"), _c.due_at_ms.label("due"))
+            .where(*where)
+            .order_by(_c.due_at_ms)
+            .limit(bindparam("b_limit"))
+            .subquery()
+        )
+        return select(inner.c.id, inner.c.priority, inner.c.due)
+
+    claimable = union_all(
+        branch(0, _PENDING, due=False),
+        branch(1, _RETRYABLE, due=True),
+        branch(2, _DELIVERING, due=True),
+    ).subquery("claimable")
+    first_ids = select(claimable.c.id).order_by(claimable.c.priority, claimable.c.due).limit(bindparam("b_limit"))
+    return update(_o).where(_c.id.in_(first_ids)).values(**_CLAIM_VALUES).returning(*_CLAIM_COLUMNS)
+
+
+SQLITE_CLAIM: Final = _sqlite_claim_update()
+
+# --------------------------------------------------------------------------- finish / release
+
+_FINISH_DELIVERED: Final = (
+    update(_o)
+    .where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS)
+    .values(
+        status=_DELIVERED,
+        delivered_at_ms=bindparam("b_now"),
+        targets_done=bindparam("b_targets"),
+        lock_owner=null(),
+        lock_until_ms=null(),
+        last_error=null(),
+        updated_at_ms=bindparam("b_now"),
+    )
+)
+# MySQL evaluates SET left to right with the new values: no assignment below
+# reads a column that an earlier one of the same statement changes.
+_FINISH_RETRY: Final = (
+    update(_o)
+    .where(_c.id == bindparam("b_id"), _IS_OURS)
+    .values(
+        status=bindparam("b_status"),
+        retry_count=_c.retry_count + 1,
+        next_retry_at_ms=bindparam("b_next"),
+        due_at_ms=bindparam("b_due"),
+        last_error=bindparam("b_error"),
+        targets_done=bindparam("b_targets"),
+        lock_owner=null(),
+        lock_until_ms=null(),
+        updated_at_ms=bindparam("b_now"),
+    )
+)
+_NEVER_TRIED = _c.retry_count == 0
+_RELEASE: Final = (
+    update(_o)
+    .where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS)
+    .values(
+        status=case((_NEVER_TRIED, _PENDING), else_=_RETRYABLE),
+        next_retry_at_ms=case((_NEVER_TRIED, _c.next_retry_at_ms), else_=bindparam("b_now")),
+        due_at_ms=case((_NEVER_TRIED, _c.created_at_ms), else_=bindparam("b_now")),
+        lock_owner=null(),
+        lock_until_ms=null(),
+        updated_at_ms=bindparam("b_now"),
+    )
+)
+
+# --------------------------------------------------------------------------- retention
+# Delivered rows by the (status, delivered_at_ms) index, oldest delivery first;
+# then legacy published rows, whose delivered_at_ms may be NULL (updated_at_ms then).
+
+_SQLITE_DELETE_DELIVERED: Final = delete(_o).where(
+    _c.id.in_(
+        select(_c.id)
+        .where(_c.status == _DELIVERED, _c.delivered_at_ms < bindparam("b_before"))
+        .order_by(_c.delivered_at_ms)
+        .limit(bindparam("b_limit"))
+    )
+)
+_SQLITE_DELETE_PUBLISHED: Final = delete(_o).where(
+    _c.id.in_(
+        select(_c.id)
+        .where(_c.status == _PUBLISHED, func.coalesce(_c.delivered_at_ms, _c.updated_at_ms) < bindparam("b_before"))
+        .order_by(_c.id)
+        .limit(bindparam("b_limit"))
+    )
+)
+# MySQL/MariaDB: no LIMIT in an IN subquery, but DELETE … ORDER BY … LIMIT (not in SQLAlchemy Core).
+_MYSQL_DELETE_DELIVERED: Final = text(
+    "DELETE FROM room_outbox WHERE status = 'delivered' AND delivered_at_ms < :b_before "
+    "ORDER BY delivered_at_ms LIMIT :b_limit"
+)
+_MYSQL_DELETE_PUBLISHED: Final = text(
+    "DELETE FROM room_outbox WHERE status = 'published' "
+    "AND COALESCE(delivered_at_ms, updated_at_ms) < :b_before ORDER BY id LIMIT :b_limit"
+)
+
+_GET_LOCK: Final = text("SELECT GET_LOCK(:name, 0)")
+_RELEASE_LOCK: Final = text("SELECT RELEASE_LOCK(:name)")
+
+# SQLite maintenance locks held in this process: (database URL, lock name).
+_LOCAL_LOCKS: set[tuple[str, str]] = set()
+_LOCAL_LOCKS_GUARD = threading.Lock()
+
+
+# --------------------------------------------------------------------------- repository
+
+
+class SqlOutboxRepository:
+    """The outbox repository on a :class:`Database` (SQLite or MySQL/MariaDB)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._held: dict[str, AsyncConnection] = {}
+
+    async def claim_due(self, *, owner: str, now_ms: int, lock_ms: int, limit: int) -> list[ClaimedRow]:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        if lock_ms < 1:
+            raise ValueError("lock_ms must be at least 1")
+        until = now_ms + lock_ms
+        params = {"b_owner": owner, "b_now": now_ms, "b_until": until, "b_limit": limit}
+        unit = _claim_sqlite if self.db.is_sqlite else _claim_mysql
+        rows = await self.db.run_write(unit, params)
+        claimed = [
+            ClaimedRow(
+                id=r.id,
+                event_id=r.event_id,
+                app_code=r.app_code,
+                room_id=r.room_id,
+                room_version=r.room_version,
+                event_type=r.event_type,
+                payload=bytes(r.payload),
+                retry_count=r.retry_count,
+                targets_done=parse_targets(r.targets_done),
+                lock_owner=owner,
+                lock_until_ms=until,
+                created_at_ms=r.created_at_ms,
+            )
+            for r in rows
+        ]
+        claimed.sort(key=lambda row: row.id)
+        return claimed
+
+    async def finish(self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]) -> int:
+        if not delivered and not retries:
+            return 0
+        # Rows of one batch mostly share their targets: one UPDATE per distinct set.
+        delivered_groups: dict[str, list[int]] = {}
+        for d in delivered:
+            delivered_groups.setdefault(d.targets_done, []).append(d.row_id)
+        delivered_params = [
+            {"b_owner": owner, "b_now": now_ms, "b_targets": targets, "b_ids": ids}
+            for targets, ids in delivered_groups.items()
+        ]
+        retry_params = [
+            {
+                "b_owner": owner,
+                "b_now": now_ms,
+                "b_id": r.row_id,
+                "b_status": _FAILED if r.failed else _RETRYABLE,
+                "b_next": None if r.failed else r.next_retry_at_ms,
+                "b_due": now_ms if r.failed else r.next_retry_at_ms,
+                "b_error": r.last_error[:LAST_ERROR_MAX_CHARS],
+                "b_targets": r.targets_done,
+            }
+            for r in retries
+        ]
+        return await self.db.run_write(_finish, delivered_params, retry_params)
+
+    async def release(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
+        if not row_ids:
+            return 0
+        params = {"b_owner": owner, "b_now": now_ms, "b_ids": list(row_ids)}
+        return await self.db.run_write(_rowcount, _RELEASE, params)
+
+    async def delete_delivered(self, *, before_ms: int, limit: int) -> int:
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        statements = (
+            (_SQLITE_DELETE_DELIVERED, _SQLITE_DELETE_PUBLISHED)
+            if self.db.is_sqlite
+            else (_MYSQL_DELETE_DELIVERED, _MYSQL_DELETE_PUBLISHED)
+        )
+        return await self.db.run_write(_delete_delivered, statements, before_ms, limit)
+
+    async def try_maintenance_lock(self, name: str) -> bool:
+        """Take the named maintenance lock unless someone (this repository included) holds it.
+
+        MySQL/MariaDB: ``GET_LOCK`` (no wait) on a dedicated connection kept
+        until :meth:`release_maintenance_lock`; the server drops the lock if
+        that session dies, so a crashed process never blocks retention.
+        The lock is server-wide, so its name includes the database name.
+
+        SQLite: a process-local lock. Nothing stronger is needed: every delete
+        batch is its own ``BEGIN IMMEDIATE`` transaction and SQLite runs one
+        writer at a time, so two processes deleting at once only take turns
+        on disjoint batches (a batch picks its ids inside its transaction);
+        the worst case is wasted work, never a wrong delete.
+        """
+        if self.db.is_sqlite:
+            key = (str(self.db.engine.url), name)
+            with _LOCAL_LOCKS_GUARD:
+                if key in _LOCAL_LOCKS:
+                    return False
+                _LOCAL_LOCKS.add(key)
+            return True
+        if name in self._held:
+            return False
+        try:
+            conn = await self.db.engine.connect()
+        except (OperationalError, InterfaceError) as exc:
+            raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}") from exc
+        try:
+            # No transaction left open while the lock is held.
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            got = await conn.scalar(_GET_LOCK, {"name": self._server_lock_name(name)})
+        except BaseException as exc:
+            await conn.invalidate()
+            await conn.close()
+            if isinstance(exc, OperationalError | InterfaceError):
+                raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}") from exc
+            raise
+        if got != 1:
+            await conn.close()
+            return False
+        self._held[name] = conn
+        return True
+
+    async def release_maintenance_lock(self, name: str) -> None:
+        """Give the lock back; a no-op unless this repository holds it."""
+        if self.db.is_sqlite:
+            with _LOCAL_LOCKS_GUARD:
+                _LOCAL_LOCKS.discard((str(self.db.engine.url), name))
+            return
+        conn = self._held.pop(name, None)
+        if conn is None:
+            return
+        try:
+            await conn.scalar(_RELEASE_LOCK, {"name": self._server_lock_name(name)})
+        except (OperationalError, InterfaceError):
+            # The session is gone or unusable; the server drops its locks with it.
+            await conn.invalidate()
+        finally:
+            await conn.close()
+
+    def _server_lock_name(self, name: str) -> str:
+        full = f"roomservice:{self.db.engine.url.database}:{name}"
+        if len(full) <= _MYSQL_LOCK_NAME_MAX:
+            return full
+        return "roomservice:" + hashlib.sha256(full.encode()).hexdigest()[:40]
+
+
+# --------------------------------------------------------------------------- transaction units
+# Plain synchronous functions of a Connection, run by Database.run_write.
+
+
+def _claim_mysql(conn: Connection, params: dict[str, Any]) -> list[Row[Any]]:
+    limit: int = params["b_limit"]
+    rows: list[Row[Any]] = []
+    for statement, status in _MYSQL_CLAIM_STEPS:
+        missing = limit - len(rows)
+        if missing <= 0:
+            break
+        rows.extend(conn.execute(statement, {"b_status": status, "b_now": params["b_now"], "b_limit": missing}))
+    if rows:
+        conn.execute(_MYSQL_MARK_CLAIMED, {**params, "b_ids": [r.id for r in rows]})
+    return rows
+
+
+def _claim_sqlite(conn: Connection, params: dict[str, Any]) -> Sequence[Row[Any]]:
+    return conn.execute(SQLITE_CLAIM, params).all()
+
+
+def _finish(conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:
+    changed = 0
+    for params in delivered:
+        changed += conn.execute(_FINISH_DELIVERED, params).rowcount
+    if retries:
+        # executemany: the driver sums the rowcounts (matched rows on MySQL: CLIENT_FOUND_ROWS).
+        changed += conn.execute(_FINISH_RETRY, retries).rowcount
+    return changed
+
+
+def _rowcount(conn: Connection, statement: Any, params: dict[str, Any]) -> int:
+    return conn.execute(statement, params).rowcount
+
+
+def _delete_delivered(conn: Connection, statements: tuple[Any, Any], before_ms: int, limit: int) -> int:
+    delivered, published = statements
+    deleted: int = conn.execute(delivered, {"b_before": before_ms, "b_limit": limit}).rowcount
+    if deleted < limit:
+        deleted += conn.execute(published, {"b_before": before_ms, "b_limit": limit - deleted}).rowcount
+    return deleted

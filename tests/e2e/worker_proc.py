@@ -1,0 +1,90 @@
+"""A standalone outbox worker process for multi-process tests.
+
+Runs the real OutboxWorker (mq mode) against a database with a publisher that
+appends one line per publish to a file: ``event_id owner lock_until_ms published_at_ms``.
+
+    python -m tests.e2e.worker_proc --url URL --owner NAME --log FILE [--delay-ms N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from typing import TextIO
+
+from roomservice.domain.events import Event
+from roomservice.outbox.model import BROKER, ClaimedRow, Outcome, PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.publisher import PublisherSet
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.store.database import Database
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class RecordingPublisher:
+    name = BROKER
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+
+
+class RecordingWorker(OutboxWorker):
+    """Writes a line when a row's publish succeeded, with the claim it held."""
+
+    log: TextIO
+
+    async def deliver(self, row: ClaimedRow) -> Outcome:
+        outcome = await super().deliver(row)
+        if outcome.delivered:
+            self.log.write(f"{row.event_id} {self.owner} {row.lock_until_ms} {now_ms()}\n")
+        return outcome
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--owner", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--delay-ms", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument("--lock-s", type=float, default=30.0)
+    args = parser.parse_args()
+    db = Database.from_url(args.url, pool_size=4, max_overflow=2)
+    worker = RecordingWorker(
+        repository=SqlOutboxRepository(db),
+        publishers=PublisherSet({BROKER: RecordingPublisher(args.delay_ms / 1000)}),
+        policy=RetryPolicy(initial_backoff_ms=100, max_backoff_ms=1_000, max_retry_count=10),
+        options=WorkerOptions(
+            mode=PublishMode.MQ,
+            batch_size=args.batch,
+            poll_interval_s=0.05,
+            publish_timeout_s=0.5,
+            lock_timeout_s=args.lock_s,
+            publish_concurrency=64,
+        ),
+        clock=now_ms,
+        owner=args.owner,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    with open(args.log, "a", buffering=1) as log:  # noqa: ASYNC230 - opened once at start
+        worker.log = log
+        async with worker:
+            print("ready", flush=True)
+            await stop.wait()
+    await db.dispose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
