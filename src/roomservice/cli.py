@@ -1,7 +1,9 @@
 """``room-service``: serve the API, run migrations.
 
     room-service serve [--config FILE] [--host H] [--port P] [--data-dir DIR]
+    room-service worker [--config FILE] [--data-dir DIR]
     room-service db upgrade [--config FILE] [--data-dir DIR]
+    room-service outbox stats|list|show|replay ...
 
 With no ``--config`` the packaged ``configs/local.yaml`` is used: SQLite at
 ``<data-dir>/room.db`` (data dir ``./var``), everything in process.
@@ -19,10 +21,12 @@ import typer
 import uvicorn
 
 from roomservice.config import ConfigError, Settings, load_settings
+from roomservice.outbox.admin_cli import outbox_app
 
 app = typer.Typer(help="room-service: live voice-chat rooms with a transactional outbox.", no_args_is_help=True)
 db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+app.add_typer(outbox_app, name="outbox")
 
 ConfigOpt = Annotated[
     Path | None,
@@ -91,7 +95,14 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
 
     log = get_logger("roomservice.cli")
     async with Runtime.running(settings) as runtime:
-        api = create_app(ApiContext(service=runtime.service, health=runtime.health, admin_token=token))
+        api = create_app(
+            ApiContext(
+                service=runtime.service,
+                health=runtime.health,
+                admin_token=token,
+                outbox_admin=runtime.outbox_admin,
+            )
+        )
         server = uvicorn.Server(
             uvicorn.Config(api, host=host, port=port, log_config=None, access_log=False, lifespan="off")
         )
@@ -104,6 +115,40 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
             (data_dir / "http-port").write_text(f"{actual_port}\n")
             log.info("serving", host=host, port=actual_port, data_dir=str(data_dir))
         await serving
+
+
+@app.command()
+def worker(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None:
+    """Run the outbox worker, the treasure timer and retention alone, without the HTTP API.
+
+    Several worker processes may run against one database; SIGTERM stops one
+    gracefully and hands its unfinished claims back.
+    """
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = _settings(config, data_dir)
+    if not settings.outbox_worker.enabled:
+        typer.echo("config error: outbox_worker.enabled is false; nothing to run", err=True)
+        raise typer.Exit(2)
+    from roomservice.observability.logging import configure_logging
+
+    configure_logging(level=settings.logging.level, json=settings.logging.json)
+    asyncio.run(_work(settings))
+
+
+async def _work(settings: Settings) -> None:
+    import signal
+
+    from roomservice.observability.logging import get_logger
+    from roomservice.runtime import Runtime
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with Runtime.running(settings):
+        get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
+        await stop.wait()
 
 
 @db_app.command("upgrade")

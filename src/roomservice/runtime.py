@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from roomservice.cell.lease import InProcessLeases, LeaseManager
@@ -13,6 +14,15 @@ from roomservice.cell.registry import CellRegistry
 from roomservice.config import Settings
 from roomservice.health import HealthChecks
 from roomservice.observability.logging import get_logger
+from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS
+from roomservice.outbox.admin import OutboxAdmin
+from roomservice.outbox.model import PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.publisher import Publisher, PublisherSet, TreasureWakeupPublisher
+from roomservice.outbox.retention import RetentionSweeper
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.treasure import DatabaseTreasureTimer, TreasureTimerRunner
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions, new_owner
 from roomservice.projections.port import InProcessProjections, RoomListEntry
 from roomservice.service import RoomService, ServiceOptions, wall_clock_ms
 from roomservice.store.database import Database
@@ -38,6 +48,11 @@ class Runtime:
     reconciler: Reconciler
     service: RoomService
     health: HealthChecks
+    outbox_admin: OutboxAdmin
+    treasure_timer: DatabaseTreasureTimer
+    timer_runner: TreasureTimerRunner
+    retention: RetentionSweeper
+    worker: OutboxWorker | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -53,13 +68,15 @@ class Runtime:
         *,
         clock: Callable[[], int] = wall_clock_ms,
         wallet: Wallet | None = None,
+        publishers: dict[str, Publisher] | None = None,
         background: bool = True,
     ) -> AsyncIterator[Runtime]:
         """Start everything ``settings`` describes; stop it all on exit.
 
-        ``wallet`` replaces the configured wallet (tests); ``background=False``
-        skips the periodic loops (eviction, reconciliation) for tests that
-        drive them by hand.
+        ``wallet`` replaces the configured wallet and ``publishers`` adds or
+        replaces delivery targets (tests); ``background=False`` skips every
+        loop (outbox worker, treasure timer, eviction, reconciliation,
+        retention) for tests that drive them by hand.
         """
         db = Database.from_url(
             settings.database.connect_url(),
@@ -70,7 +87,7 @@ class Runtime:
         try:
             if settings.database.auto_migrate:
                 await upgrade(db)
-            runtime = await cls._build(settings, db, clock=clock, wallet=wallet)
+            runtime = await cls._build(settings, db, clock=clock, wallet=wallet, publishers=publishers or {})
             if background:
                 runtime._start_loops()
             _log.info(
@@ -88,7 +105,13 @@ class Runtime:
 
     @classmethod
     async def _build(
-        cls, settings: Settings, db: Database, *, clock: Callable[[], int], wallet: Wallet | None
+        cls,
+        settings: Settings,
+        db: Database,
+        *,
+        clock: Callable[[], int],
+        wallet: Wallet | None,
+        publishers: dict[str, Publisher],
     ) -> Runtime:
         store = SqlRoomStore(db)
         leases = InProcessLeases()
@@ -139,6 +162,47 @@ class Runtime:
         )
         health = HealthChecks()
         health.register("database", store.ping)
+
+        outbox = settings.outbox_worker
+        owner = new_owner()
+        treasure_timer = DatabaseTreasureTimer(db, clock=clock, owner=owner)
+        timer_runner = TreasureTimerRunner(
+            treasure_timer, service.execute, idle_s=outbox.poll_interval.total_seconds()
+        )
+        treasure_timer.on_scheduled = timer_runner.wake
+        repository = SqlOutboxRepository(db)
+        worker = None
+        if outbox.enabled:
+            targets: dict[str, Publisher] = {"treasure_wakeup": TreasureWakeupPublisher(treasure_timer)}
+            targets.update(publishers)
+            worker = OutboxWorker(
+                repository=repository,
+                publishers=PublisherSet(targets),
+                policy=RetryPolicy(
+                    initial_backoff_ms=_ms(outbox.initial_backoff),
+                    max_backoff_ms=_ms(outbox.max_backoff),
+                    max_retry_count=outbox.max_retry_count,
+                    jitter=outbox.jitter,
+                ),
+                options=WorkerOptions(
+                    mode=PublishMode(outbox.publish_mode),
+                    batch_size=outbox.batch_size,
+                    poll_interval_s=outbox.poll_interval.total_seconds(),
+                    publish_timeout_s=outbox.publish_timeout.total_seconds(),
+                    lock_timeout_s=outbox.lock_timeout.total_seconds(),
+                    publish_concurrency=outbox.publish_concurrency,
+                ),
+                clock=clock,
+                owner=owner,
+            )
+            service.on_outbox_commit.append(worker.wake)
+        outbox_admin = OutboxAdmin(db, clock=clock, on_requeued=worker.wake if worker else None)
+        retention = RetentionSweeper(
+            repository,
+            retention_ms=_ms(outbox.delivered_retention),
+            batch_size=outbox.retention_batch_size,
+            clock=clock,
+        )
         return cls(
             settings=settings,
             db=db,
@@ -149,9 +213,23 @@ class Runtime:
             reconciler=reconciler,
             service=service,
             health=health,
+            outbox_admin=outbox_admin,
+            treasure_timer=treasure_timer,
+            timer_runner=timer_runner,
+            retention=retention,
+            worker=worker,
         )
 
     def _start_loops(self) -> None:
+        if self.worker is not None:
+            worker = self.worker
+            task = worker.start()
+            task.add_done_callback(_report_crash)
+            self.tasks.append(task)
+            self.health.register("outbox_worker", _alive_check("outbox worker", lambda: worker.alive))
+        self.spawn("treasure-timer", self.timer_runner.run())
+        self.spawn("outbox-retention", self.retention.run(interval_s=60.0))
+        self.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
         room = self.settings.room
         evict_every = max(1.0, min(60.0, room.idle_evict_after.total_seconds() / 4))
         self.spawn("cell-eviction", self.registry.run_eviction(interval_s=evict_every))
@@ -160,12 +238,39 @@ class Runtime:
             self.reconciler.run(interval_s=self.settings.wallet.reconcile_interval.total_seconds()),
         )
 
+    async def _sample_backlog(self, *, interval_s: float) -> None:
+        while True:
+            try:
+                stats = await self.outbox_admin.stats()
+                for status, count in stats.counts.items():
+                    OUTBOX_BACKLOG.labels(status).set(count)
+                OUTBOX_OLDEST_PENDING_SECONDS.set((stats.oldest_pending_age_ms or 0) / 1000)
+            except Exception as exc:
+                _log.warning("outbox_backlog_sample_failed", error=repr(exc))
+            await asyncio.sleep(interval_s)
+
     async def _stop(self) -> None:
+        self.timer_runner.stop()
+        if self.worker is not None:
+            # hands unfinished claims back so another process can take them at once
+            await self.worker.shutdown(grace_s=self.settings.outbox_worker.publish_timeout.total_seconds())
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.registry.close()
         _log.info("runtime_stopped")
+
+
+def _ms(value: timedelta) -> int:
+    return int(value.total_seconds() * 1000)
+
+
+def _alive_check(name: str, alive: Callable[[], bool]) -> Callable[[], Coroutine[Any, Any, None]]:
+    async def check() -> None:
+        if not alive():
+            raise RuntimeError(f"{name} is not running")
+
+    return check
 
 
 def _report_crash(task: asyncio.Task[None]) -> None:

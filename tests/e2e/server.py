@@ -36,8 +36,11 @@ def write_config(path: Path, *, database_url: str | None = None, extra: str = ""
 class ServerProcess:
     """A ``room-service serve`` child; ``kill()`` is SIGKILL, no goodbyes."""
 
-    def __init__(self, *, config: Path, data_dir: Path, port: int | None = None) -> None:
-        self.config = config
+    def __init__(
+        self, *, config: Path | None, data_dir: Path, port: int | None = None, cwd: Path | None = None
+    ) -> None:
+        self.config = config  # None: no --config and no --data-dir, exactly as a newcomer runs it (from cwd)
+        self.cwd = cwd
         self.data_dir = data_dir
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -50,19 +53,12 @@ class ServerProcess:
     def start(self, *, timeout_s: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         out = self.log.open("ab")
+        args = [sys.executable, "-m", "roomservice.cli", "serve", "--port", str(self.port)]
+        if self.config is not None:
+            args += ["--config", str(self.config), "--data-dir", str(self.data_dir)]
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "roomservice.cli",
-                "serve",
-                "--config",
-                str(self.config),
-                "--data-dir",
-                str(self.data_dir),
-                "--port",
-                str(self.port),
-            ],
+            args,
+            cwd=self.cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

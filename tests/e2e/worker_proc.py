@@ -41,11 +41,11 @@ class RecordingPublisher:
 class RecordingWorker(OutboxWorker):
     """Writes a line when a row's publish succeeded, with the claim it held."""
 
-    log: TextIO
+    log: TextIO | None = None
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
         outcome = await super().deliver(row)
-        if outcome.delivered:
+        if outcome.delivered and self.log is not None:
             self.log.write(f"{row.event_id} {self.owner} {row.lock_until_ms} {now_ms()}\n")
         return outcome
 
@@ -54,10 +54,11 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
     parser.add_argument("--owner", required=True)
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--log", default="", help="file for one line per delivery (empty: no log)")
     parser.add_argument("--delay-ms", type=int, default=0)
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--lock-s", type=float, default=30.0)
+    parser.add_argument("--concurrency", type=int, default=64)
     args = parser.parse_args()
     db = Database.from_url(args.url, pool_size=4, max_overflow=2)
     worker = RecordingWorker(
@@ -70,7 +71,7 @@ async def main() -> None:
             poll_interval_s=0.05,
             publish_timeout_s=0.5,
             lock_timeout_s=args.lock_s,
-            publish_concurrency=64,
+            publish_concurrency=args.concurrency,
         ),
         clock=now_ms,
         owner=args.owner,
@@ -78,11 +79,15 @@ async def main() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    with open(args.log, "a", buffering=1) as log:  # noqa: ASYNC230 - opened once at start
-        worker.log = log
+    log = open(args.log, "a", buffering=1) if args.log else None  # noqa: SIM115 - closed below
+    worker.log = log
+    try:
         async with worker:
             print("ready", flush=True)
             await stop.wait()
+    finally:
+        if log is not None:
+            log.close()
     await db.dispose()
 
 

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
-from roomservice.outbox.sql import SqlOutboxRepository
 from structlog.testing import capture_logs
 from tests.service.conftest import T0, Clock
 
@@ -17,6 +16,7 @@ from roomservice.domain import events as e
 from roomservice.outbox.model import BROKER, PublishMode
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.publisher import FakePublisher, PublisherSet
+from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
 from roomservice.store import tables as t
 from roomservice.store.database import Database
@@ -252,7 +252,7 @@ async def test_wake_delivers_without_waiting_for_the_poll(
         worker.wake()
         async with asyncio.timeout(10):
             await im.called.wait()  # delivered at once, not after the 60 s poll
-            while (await row(database, ev.event_id)).status != "delivered":  # noqa: ASYNC110 - polling the DB
+            while (await row(database, ev.event_id)).status != "delivered":
                 await asyncio.sleep(0.01)
     assert im.delivered == [ev.event_id]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +20,9 @@ from roomservice.health import HealthChecks
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import REGISTRY
 from roomservice.service import RoomService
+
+if TYPE_CHECKING:
+    from roomservice.outbox.admin import OutboxAdmin
 
 _log = get_logger("roomservice.api")
 
@@ -38,6 +41,7 @@ class ApiContext:
     service: RoomService
     health: HealthChecks
     admin_token: str
+    outbox_admin: OutboxAdmin | None = None  # serves /admin/outbox… when set
 
 
 def _error(exc: errors.RoomServiceError) -> JSONResponse:
@@ -154,6 +158,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/admin/status", tags=["admin"], dependencies=[Depends(require_admin)])
     async def admin_status() -> dict[str, Any]:
         return {"active_cells": len(service.registry)}
+
+    if ctx.outbox_admin is not None:
+        from roomservice.api.admin import admin_router
+
+        app.include_router(admin_router(ctx.outbox_admin, require_admin))
 
     app.state.require_admin = require_admin
     app.add_middleware(BodyLimit, max_bytes=lim.MAX_BODY_BYTES)

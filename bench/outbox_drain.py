@@ -1,0 +1,206 @@
+"""Benchmark of the outbox worker (issue: outbox worker).
+
+Prints, for SQLite and MariaDB:
+  * drain rate (events/s) of 1, 2 and 4 worker processes with an instantly-accepting
+    publisher, beside a raw baseline in the same run: the same claim and finish SQL
+    (the repository's statements) issued by minimal loops in the same number of processes;
+  * commit-to-delivered latency p50/p99 at a steady 200 events/s with poll_interval 1s
+    (the commit's wake-up, not the poll, must carry it).
+
+    .venv/bin/python -m bench.outbox_drain [--backend sqlite|mariadb|both] [--rows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from bench.common import fresh_database, percentile
+from roomservice.config import load_settings
+from roomservice.domain import commands as c
+from roomservice.domain import events as e
+from roomservice.domain.events import Event
+from roomservice.observability.logging import configure_logging
+from roomservice.outbox.repository import Delivered
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.runtime import Runtime
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+from roomservice.store.migrate import upgrade
+from roomservice.wire import encode_event
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 200
+
+
+async def seed(url: str, rows: int) -> None:
+    db = Database.from_url(url)
+    try:
+        await upgrade(db)
+        now = time.time_ns() // 1_000_000
+        values = []
+        for i in range(rows):
+            ev = e.Event(uuid.uuid4().hex, "bench", f"r{i % 100}", i + 1, now, e.RoomMicLeft(user_id=f"u{i}", seat=1))
+            values.append(dict(event_id=ev.event_id, app_code="bench", room_id=ev.room_id, room_version=i + 1,
+                               event_type=ev.type, payload=encode_event(ev), status="pending", retry_count=0,
+                               targets_done="", due_at_ms=now, created_at_ms=now, updated_at_ms=now))
+        async with db.write() as conn:
+            for start in range(0, rows, 2_000):
+                await conn.execute(sa.insert(t.room_outbox), values[start : start + 2_000])
+    finally:
+        await db.dispose()
+
+
+async def delivered_count(url: str) -> int:
+    db = Database.from_url(url)
+    try:
+        async with db.read() as conn:
+            n = await conn.scalar(
+                sa.select(sa.func.count()).select_from(t.room_outbox).where(t.room_outbox.c.status == "delivered")
+            )
+        return int(n or 0)
+    finally:
+        await db.dispose()
+
+
+def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]], started: float) -> float:
+    try:
+        while await delivered_count(url) < rows:
+            await asyncio.sleep(0.05)
+        return rows / (time.perf_counter() - started)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=60)
+
+
+async def worker_drain(backend: str, workers: int, rows: int) -> float:
+    async with fresh_database(backend) as url:
+        await seed(url, rows)
+        started = time.perf_counter()
+        procs = [
+            _spawn([sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", f"w{i}",
+                    "--batch", str(BATCH), "--concurrency", str(BATCH)])
+            for i in range(workers)
+        ]
+        return await timed_drain(url, rows, procs, started)
+
+
+async def raw_drain(backend: str, workers: int, rows: int) -> float:
+    async with fresh_database(backend) as url:
+        await seed(url, rows)
+        started = time.perf_counter()
+        procs = [_spawn([sys.executable, "-m", "bench.outbox_drain", "--raw-loop", url, f"raw{i}"])
+                 for i in range(workers)]
+        return await timed_drain(url, rows, procs, started)
+
+
+async def raw_loop(url: str, owner: str) -> None:
+    """The raw baseline process: claim a batch, finish it as delivered, nothing else."""
+    db = Database.from_url(url, pool_size=2, max_overflow=0)
+    repo = SqlOutboxRepository(db)
+    print("ready", flush=True)
+    while True:
+        now = time.time_ns() // 1_000_000
+        rows = await repo.claim_due(owner=owner, now_ms=now, lock_ms=30_000, limit=BATCH)
+        if not rows:
+            await asyncio.sleep(0.05)
+            continue
+        await repo.finish(owner=owner, now_ms=now, delivered=[Delivered(r.id, "broker") for r in rows], retries=[])
+
+
+class InstantPublisher:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+        return None
+
+
+async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float = 10.0) -> dict[str, float]:
+    async with fresh_database(backend) as url:
+        with tempfile.TemporaryDirectory() as data_dir:
+            settings = (
+                load_settings()
+                .with_data_dir(Path(data_dir))
+                .with_overrides({"database.url": url, "outbox_worker.poll_interval": "1s"})
+            )
+            publishers: dict[str, Any] = {"im": InstantPublisher("im"), "activity": InstantPublisher("activity")}
+            async with Runtime.running(settings, publishers=publishers) as rt:
+                svc = rt.service
+                await svc.execute("bench", "lat", "create", c.CreateRoom(owner_id="o", title="latency"))
+                total = int(rate * seconds)
+                start = time.perf_counter()
+                for i in range(total):  # open loop: one command every 1/rate s
+                    target = start + i / rate
+                    delay = target - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await svc.execute("bench", "lat", f"j{i}", c.JoinRoom(user_id=f"u{i}"))
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    async with rt.db.read() as conn:
+                        pending = await conn.scalar(
+                            sa.select(sa.func.count()).select_from(t.room_outbox)
+                            .where(t.room_outbox.c.status != "delivered")
+                        )
+                    if not pending:
+                        break
+                    await asyncio.sleep(0.1)
+                async with rt.db.read() as conn:
+                    result = await conn.execute(
+                        sa.select(t.room_outbox.c.created_at_ms, t.room_outbox.c.delivered_at_ms)
+                        .where(t.room_outbox.c.event_type == "RoomUserJoined")
+                    )
+                    lat = [float(d - c_) for c_, d in result.all() if d is not None]
+    return {"p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99), "n": float(len(lat)),
+            "expected": float(total)}
+
+
+async def run(backends: list[str], rows: int) -> None:
+    for backend in backends:
+        for workers in (1, 2, 4):
+            worker_rate = await worker_drain(backend, workers, rows)
+            raw_rate = await raw_drain(backend, workers, rows)
+            print(f"[{backend}] {workers} worker(s): {worker_rate:7.0f} events/s   raw claim+finish: "
+                  f"{raw_rate:7.0f} events/s   ratio {worker_rate / raw_rate:.2f}x (target >= 0.70)", flush=True)
+        lat = await commit_to_delivered(backend)
+        print(f"[{backend}] commit-to-delivered at 200 events/s, poll_interval 1s: p50 {lat['p50']:.0f} ms, "
+              f"p99 {lat['p99']:.0f} ms over {lat['n']:.0f}/{lat['expected']:.0f} events (target p99 < 50 ms)",
+              flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--raw-loop":
+        asyncio.run(raw_loop(sys.argv[2], sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")
+    parser.add_argument("--rows", type=int, default=20_000)
+    args = parser.parse_args()
+    configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
+    print(f"outbox drain benchmark: {args.rows} rows, batch {BATCH}; {os.cpu_count()} cpus", flush=True)
+    asyncio.run(run(backends, args.rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""``/admin/outbox…``: the dead-letter operations of :class:`OutboxAdmin` over HTTP (bearer admin token).
+
+    GET  /admin/outbox/stats
+    GET  /admin/outbox?status=&type=&app=&room=&older_than=&newer_than=&error=&limit=&after_id=
+    GET  /admin/outbox/{event_id}
+    POST /admin/outbox/replay   {"event_ids": [...], "as_repair": false}
+                                or {"filter": {...}, "as_repair": false}
+
+``status`` may be repeated or comma-separated; durations are Go strings
+(``"10m"``, ``"1h30m"``). Bad values answer ``400 invalid_argument``, an
+unknown event id ``404 not_found``, a missing or wrong token ``401
+unauthorized`` — always in the one error shape of SPEC §8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from roomservice import errors
+from roomservice.durations import parse_duration
+from roomservice.outbox.admin import MAX_LIST_LIMIT, OutboxAdmin, OutboxFilter
+
+ACTOR = "admin-api"
+MAX_REPLAY_IDS = 1000
+_MS = timedelta(milliseconds=1)
+
+EventId = Annotated[str, Field(min_length=1, max_length=64)]
+FilterText = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class ReplayFilterBody(BaseModel):
+    """The bulk replay filter; ``status`` may only be ``failed`` (the default)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    status: list[FilterText] | None = None
+    type: FilterText | None = None
+    app: FilterText | None = None
+    room: FilterText | None = None
+    older_than: FilterText | None = None
+    newer_than: FilterText | None = None
+    error: FilterText | None = None
+
+    def to_filter(self) -> OutboxFilter:
+        return _build_filter(
+            self.status or [],
+            event_type=self.type,
+            app_code=self.app,
+            room_id=self.room,
+            older_than=self.older_than,
+            newer_than=self.newer_than,
+            error=self.error,
+        )
+
+
+class ReplayBody(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    event_ids: list[EventId] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_IDS)
+    filter: ReplayFilterBody | None = None
+    as_repair: bool = False
+
+    @model_validator(mode="after")
+    def _ids_or_filter(self) -> ReplayBody:
+        if (self.event_ids is None) == (self.filter is None):
+            raise ValueError("give exactly one of event_ids or filter")
+        return self
+
+
+def _duration_ms(name: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_duration(text) // _MS
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"{name}: {exc}") from None
+
+
+def _build_filter(
+    statuses: list[str],
+    *,
+    event_type: str | None,
+    app_code: str | None,
+    room_id: str | None,
+    older_than: str | None,
+    newer_than: str | None,
+    error: str | None,
+) -> OutboxFilter:
+    words = tuple(w.strip() for s in statuses for w in s.split(",") if w.strip())
+    return OutboxFilter(
+        statuses=words,
+        event_type=event_type,
+        app_code=app_code,
+        room_id=room_id,
+        older_than_ms=_duration_ms("older_than", older_than),
+        newer_than_ms=_duration_ms("newer_than", newer_than),
+        error_contains=error,
+    ).validated()
+
+
+def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None]]) -> APIRouter:
+    router = APIRouter(prefix="/admin/outbox", tags=["admin"], dependencies=[Depends(require_admin)])
+
+    @router.get("/stats")
+    async def outbox_stats() -> dict[str, Any]:
+        return (await admin.stats()).to_dict()
+
+    @router.get("")
+    async def outbox_list(
+        status: Annotated[list[str] | None, Query(description="repeat or comma-separate")] = None,
+        event_type: Annotated[str | None, Query(alias="type", min_length=1, max_length=64)] = None,
+        app: Annotated[str | None, Query(min_length=1, max_length=32)] = None,
+        room: Annotated[str | None, Query(min_length=1, max_length=48)] = None,
+        older_than: Annotated[str | None, Query(description='Go duration, e.g. "10m"')] = None,
+        newer_than: Annotated[str | None, Query(description='Go duration, e.g. "1h"')] = None,
+        error: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 50,
+        after_id: Annotated[int | None, Query(ge=0)] = None,
+    ) -> dict[str, Any]:
+        flt = _build_filter(
+            status or [],
+            event_type=event_type,
+            app_code=app,
+            room_id=room,
+            older_than=older_than,
+            newer_than=newer_than,
+            error=error,
+        )
+        rows = await admin.list(flt, limit=limit, after_id=after_id)
+        return {
+            "rows": [r.to_dict() for r in rows],
+            # a full page may have more behind it: ask again with after_id
+            "next_after_id": rows[-1].id if len(rows) == limit else None,
+        }
+
+    @router.get("/{event_id}")
+    async def outbox_show(event_id: Annotated[str, Path(min_length=1, max_length=64)]) -> dict[str, Any]:
+        return (await admin.show(event_id)).to_dict()
+
+    @router.post("/replay")
+    async def outbox_replay(body: ReplayBody) -> dict[str, Any]:
+        if body.event_ids is not None:
+            report = await admin.replay(body.event_ids, actor=ACTOR, as_repair=body.as_repair)
+        else:
+            assert body.filter is not None  # the model validator guarantees one of the two
+            report = await admin.replay_matching(body.filter.to_filter(), actor=ACTOR, as_repair=body.as_repair)
+        return report.to_dict()
+
+    return router
