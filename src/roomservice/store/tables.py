@@ -228,3 +228,53 @@ wallet_pending_debit = Table(
     Index(None, "created_at_ms"),
     **MYSQL_TABLE_OPTIONS,
 )
+
+# --------------------------------------------------------------------------- direct delivery (0002)
+
+im_sent_event = Table(
+    "im_sent_event",
+    metadata,
+    Column("event_id", ascii_id(64), primary_key=True),
+    Column("group_id", ascii_id(128), nullable=False),
+    Column("operation", ascii_id(32), primary_key=True),
+    _ms("sent_at_ms"),
+    Index(None, "sent_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+activity_processed_event = Table(
+    "activity_processed_event",
+    metadata,
+    Column("event_id", ascii_id(64), primary_key=True),
+    Column("event_type", ascii_id(64), nullable=False),
+    _ms("processed_at_ms"),
+    Index(None, "processed_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+activity_gift_board = Table(
+    "activity_gift_board",
+    metadata,
+    Column("app_code", ascii_id(32), primary_key=True),
+    Column("room_id", ascii_id(48), primary_key=True),
+    Column("day", Integer(), primary_key=True, autoincrement=False),
+    Column("board", ascii_id(16), primary_key=True),  # "sent" | "received"
+    Column("user_id", ascii_id(64), primary_key=True),
+    Column("value", BigInteger(), nullable=False),
+    _ms("updated_at_ms"),
+    Index(None, "app_code", "room_id", "day", "board", "value"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+activity_treasure_reward = Table(
+    "activity_treasure_reward",
+    metadata,
+    Column("app_code", ascii_id(32), primary_key=True),
+    Column("room_id", ascii_id(48), primary_key=True),
+    Column("box_id", ascii_id(64), primary_key=True),
+    Column("user_id", ascii_id(64), primary_key=True),
+    Column("level", Integer(), nullable=False),
+    Column("event_id", ascii_id(64), nullable=False),
+    _ms("created_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
