@@ -282,3 +282,17 @@ async def test_undecodable_payload_is_a_dead_letter(database: Database, make_wor
     await make_worker().run_once()
     r = await row(database, ev.event_id)
     assert r.status == "failed" and "undecodable" in r.last_error
+
+
+async def test_pending_only_claims_leave_due_retries_for_the_next_full_claim(database: Database, clock: Clock) -> None:
+    fresh, retry = make_event(JOINED), make_event(JOINED)
+    await insert_rows(database, fresh)
+    await insert_rows(database, retry, status="retryable", now=clock.now_ms - 1)
+    repo = SqlOutboxRepository(database)
+    hinted = await repo.claim_due(owner="w", now_ms=clock.now_ms, lock_ms=1_000, limit=10, pending_only=True)
+    if database.dialect_name == "mysql":
+        assert [r.event_id for r in hinted] == [fresh.event_id]
+        full = await repo.claim_due(owner="w", now_ms=clock.now_ms, lock_ms=1_000, limit=10)
+        assert [r.event_id for r in full] == [retry.event_id]
+    else:  # one statement claims every kind on SQLite: the hint costs nothing to ignore
+        assert {r.event_id for r in hinted} == {fresh.event_id, retry.event_id}

@@ -31,11 +31,15 @@ class Delivered:
 
 
 class OutboxRepository(Protocol):
-    async def claim_due(self, *, owner: str, now_ms: int, lock_ms: int, limit: int) -> list[ClaimedRow]:
+    async def claim_due(
+        self, *, owner: str, now_ms: int, lock_ms: int, limit: int, pending_only: bool = False
+    ) -> list[ClaimedRow]:
         """Claim up to ``limit`` rows: pending, retryable due by ``now_ms``, delivering with an expired lock.
 
         One short transaction; claimed rows become ``delivering`` with ``lock_owner = owner``
         and ``lock_until_ms = now_ms + lock_ms``. Rows claimed by a live lock are never returned.
+        ``pending_only`` is a hint for wake-up cycles (fresh commits): an adapter may then skip
+        looking for due retryable and expired rows, which the next full claim picks up.
         """
         ...
 

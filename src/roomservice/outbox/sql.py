@@ -252,15 +252,19 @@ class SqlOutboxRepository:
         self.db = db
         self._held: dict[str, AsyncConnection] = {}
 
-    async def claim_due(self, *, owner: str, now_ms: int, lock_ms: int, limit: int) -> list[ClaimedRow]:
+    async def claim_due(
+        self, *, owner: str, now_ms: int, lock_ms: int, limit: int, pending_only: bool = False
+    ) -> list[ClaimedRow]:
         if limit < 1:
             raise ValueError("limit must be at least 1")
         if lock_ms < 1:
             raise ValueError("lock_ms must be at least 1")
         until = now_ms + lock_ms
         params = {"b_owner": owner, "b_now": now_ms, "b_until": until, "b_limit": limit}
-        unit = _claim_sqlite if self.db.is_sqlite else _claim_mysql
-        rows = await self.db.run_write(unit, params)
+        if self.db.is_sqlite:  # one statement claims every kind anyway
+            rows = await self.db.run_write(_claim_sqlite, params)
+        else:  # a wake-up cycle saves the two SELECTs for retryable and expired rows
+            rows = await self.db.run_write(_claim_mysql, params, pending_only)
         claimed = [
             ClaimedRow(
                 id=r.id,
@@ -394,10 +398,11 @@ class SqlOutboxRepository:
 # Plain synchronous functions of a Connection, run by Database.run_write.
 
 
-def _claim_mysql(conn: Connection, params: dict[str, Any]) -> list[Row[Any]]:
+def _claim_mysql(conn: Connection, params: dict[str, Any], pending_only: bool) -> list[Row[Any]]:
     limit: int = params["b_limit"]
     rows: list[Row[Any]] = []
-    for statement, status in _MYSQL_CLAIM_STEPS:
+    steps = _MYSQL_CLAIM_STEPS[:1] if pending_only else _MYSQL_CLAIM_STEPS
+    for statement, status in steps:
         missing = limit - len(rows)
         if missing <= 0:
             break

@@ -56,6 +56,9 @@ class WorkerOptions:
         return int(max(self.lock_timeout_s, needed) * 1000)
 
 
+FULL_CLAIM_EVERY_S = 0.25
+
+
 def new_owner() -> str:
     return f"worker-{uuid.uuid4().hex[:12]}"
 
@@ -83,6 +86,7 @@ class OutboxWorker:
         self._stopping = False
         self._running: asyncio.Task[None] | None = None
         self._in_flight: set[int] = set()
+        self._last_full_claim = float("-inf")
         self.batches = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -110,9 +114,13 @@ class OutboxWorker:
     async def run(self) -> None:
         _log.info("outbox_worker_started", owner=self.owner, mode=self.options.mode.value)
         while not self._stopping:
+            woken = self._wakeup.is_set()
             self._wakeup.clear()
+            # Under load wake-ups come in bursts: due retryable and expired rows are still
+            # looked for at least every FULL_CLAIM_EVERY_S, far below any backoff.
+            recent_full = time.monotonic() - self._last_full_claim < FULL_CLAIM_EVERY_S
             try:
-                taken = await self.run_once()
+                taken = await self.run_once(pending_only=woken and recent_full)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database blinked: back off one poll interval
@@ -147,10 +155,20 @@ class OutboxWorker:
 
     # ------------------------------------------------------------------ one cycle
 
-    async def run_once(self) -> int:
-        """Claim one batch and deliver it; returns how many rows were claimed."""
+    async def run_once(self, *, pending_only: bool = False) -> int:
+        """Claim one batch and deliver it; returns how many rows were claimed.
+
+        ``pending_only`` (a hint to the repository) skips looking for due retryable
+        and expired rows: for cycles started by a commit's wake-up.
+        """
+        if not pending_only:
+            self._last_full_claim = time.monotonic()
         rows = await self.repository.claim_due(
-            owner=self.owner, now_ms=self.clock(), lock_ms=self.options.lock_ms, limit=self.options.batch_size
+            owner=self.owner,
+            now_ms=self.clock(),
+            lock_ms=self.options.lock_ms,
+            limit=self.options.batch_size,
+            pending_only=pending_only,
         )
         OUTBOX_CLAIM_BATCH.observe(len(rows))
         if not rows:
