@@ -229,6 +229,7 @@ class Runtime:
             self.health.register("outbox_worker", _alive_check("outbox worker", lambda: worker.alive))
         self.spawn("treasure-timer", self.timer_runner.run())
         self.spawn("outbox-retention", self.retention.run(interval_s=60.0))
+        self.spawn("command-log-retention", self._prune_command_log(interval_s=300.0))
         self.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
         room = self.settings.room
         evict_every = max(1.0, min(60.0, room.idle_evict_after.total_seconds() / 4))
@@ -237,6 +238,19 @@ class Runtime:
             "wallet-reconcile",
             self.reconciler.run(interval_s=self.settings.wallet.reconcile_interval.total_seconds()),
         )
+
+    async def _prune_command_log(self, *, interval_s: float, batch_size: int = 1000) -> None:
+        """Drop idempotency records older than room.idempotency_retention, in bounded batches."""
+        retention_ms = _ms(self.settings.room.idempotency_retention)
+        while True:
+            try:
+                before = self.service.clock() - retention_ms
+                for _ in range(100):  # bounded per pass; the next pass continues
+                    if await self.store.prune_command_log(before_ms=before, batch_size=batch_size) < batch_size:
+                        break
+            except Exception as exc:
+                _log.warning("command_log_prune_failed", error=repr(exc))
+            await asyncio.sleep(interval_s)
 
     async def _sample_backlog(self, *, interval_s: float) -> None:
         while True:

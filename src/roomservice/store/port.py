@@ -121,6 +121,11 @@ class RoomStore(Protocol):
         """Room meta rows, newest first, for seeding projections at start."""
         ...
 
+    async def prune_command_log(self, *, before_ms: int, batch_size: int) -> int:
+        """Delete up to ``batch_size`` idempotency rows created before ``before_ms`` that a
+        snapshot already covers (recovery never needs them); returns how many went."""
+        ...
+
     async def ping(self) -> None:
         """Raise if the database does not answer."""
         ...
