@@ -4,6 +4,7 @@
     room-service worker [--config FILE] [--data-dir DIR]
     room-service db upgrade [--config FILE] [--data-dir DIR]
     room-service outbox stats|list|show|replay ...
+    room-service activity serve [--config FILE] [--data-dir DIR] [--host H] [--port P]
 
 With no ``--config`` the packaged ``configs/local.yaml`` is used: SQLite at
 ``<data-dir>/room.db`` (data dir ``./var``), everything in process.
@@ -27,6 +28,8 @@ app = typer.Typer(help="room-service: live voice-chat rooms with a transactional
 db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(outbox_app, name="outbox")
+activity_app = typer.Typer(help="The reference activity service (gRPC).", no_args_is_help=True)
+app.add_typer(activity_app, name="activity")
 
 ConfigOpt = Annotated[
     Path | None,
@@ -149,6 +152,68 @@ async def _work(settings: Settings) -> None:
     async with Runtime.running(settings):
         get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
         await stop.wait()
+
+
+@activity_app.command("serve")
+def activity_serve(
+    config: ConfigOpt = None,
+    host: Annotated[
+        str | None, typer.Option(help="Bind address (default: the host of activity.target, else 127.0.0.1).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port (default: activity.target's port, else 0 = any free port).")
+    ] = None,
+    data_dir: DataDirOpt = Path("var"),
+) -> None:
+    """Run the reference activity service alone on the configured database.
+
+    The bound port is written to ``<data-dir>/activity-port``; SIGTERM/SIGINT stop it gracefully.
+    """
+    data_dir = data_dir.expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = _settings(config, data_dir)
+    target_host, _, target_port = settings.activity.target.rpartition(":")
+    if host is None:
+        host = target_host.strip("[]") or "127.0.0.1"
+    if port is None:
+        port = int(target_port) if target_port.isdigit() else 0
+    from roomservice.observability.logging import configure_logging
+
+    configure_logging(level=settings.logging.level, json=settings.logging.json)
+    try:
+        asyncio.run(_activity_serve(settings, host=host, port=port, data_dir=data_dir))
+    except OSError as exc:  # the address is taken or cannot be bound
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir: Path) -> None:
+    import signal
+
+    from roomservice.activity.service import running_activity_service
+    from roomservice.observability.logging import get_logger
+    from roomservice.store.database import Database
+    from roomservice.store.migrate import upgrade
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    db = Database.from_url(
+        settings.database.connect_url(),
+        pool_size=settings.database.pool_size,
+        max_overflow=settings.database.max_overflow,
+        echo=settings.database.echo,
+    )
+    try:
+        if settings.database.auto_migrate:
+            await upgrade(db)
+        async with running_activity_service(db, host=host, port=port) as service:
+            (data_dir / "activity-port").write_text(f"{service.port}\n")
+            get_logger("roomservice.cli").info("activity_serving", target=service.target, database=db.dialect_name)
+            await stop.wait()
+    finally:
+        await db.dispose()
 
 
 @db_app.command("upgrade")

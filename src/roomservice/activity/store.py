@@ -1,0 +1,208 @@
+"""The reference activity service's persistence: processed event ids, daily gift boards, treasure rewards.
+
+Idempotency is the primary key of ``activity_processed_event``. Handling an
+event is ONE write transaction that first inserts its event id with a plain
+``INSERT`` and then applies the effect. A duplicate-key error on that first
+statement means the event was already processed (or is being processed right
+now by a concurrent call: on MySQL/MariaDB the second insert waits for the
+first transaction's row lock and then fails): the transaction is rolled back and
+the call reports a duplicate. So one event id has its effect exactly once, even
+under concurrent duplicates, on both backends.
+
+Effects:
+
+* ``RoomGiftSent`` adds ``total_value`` to the UTC day's (``utc_day(occurred_at_ms)``)
+  board ``sent`` of the sender and board ``received`` of the receiver (an upsert:
+  ``ON CONFLICT DO UPDATE`` on SQLite, ``ON DUPLICATE KEY UPDATE`` on MySQL).
+* ``RoomTreasureOpened`` writes one reward row per recipient (``box_id``, ``level``,
+  ``event_id``); a box that already paid a recipient (a repair event with a new
+  event id) does not pay that recipient again.
+* Any other known event type is recorded as processed, with no further effect.
+
+Statements are built once (per dialect, at construction); each operation is one
+synchronous unit for :meth:`Database.run_write` / :meth:`Database.run_read`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from sqlalchemy import Connection, Insert, Row, Select, bindparam, insert, select
+from sqlalchemy.dialects import mysql, sqlite
+from sqlalchemy.exc import IntegrityError
+
+from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened
+from roomservice.domain.state import utc_day
+from roomservice.store.database import Database
+from roomservice.store.tables import activity_gift_board, activity_processed_event, activity_treasure_reward
+
+Board = Literal["sent", "received"]
+BOARDS: Final[frozenset[str]] = frozenset({"sent", "received"})
+
+_processed, _board, _reward = activity_processed_event, activity_gift_board, activity_treasure_reward
+
+_INSERT_PROCESSED: Final = insert(_processed)
+
+_IS_PROCESSED: Final = select(_processed.c.event_id).where(_processed.c.event_id == bindparam("event_id"))
+
+_LEADERBOARD: Final = (
+    select(_board.c.user_id, _board.c.value)
+    .where(
+        _board.c.app_code == bindparam("app_code"),
+        _board.c.room_id == bindparam("room_id"),
+        _board.c.day == bindparam("day"),
+        _board.c.board == bindparam("board"),
+    )
+    .order_by(_board.c.value.desc(), _board.c.user_id)
+    .limit(bindparam("limit"))
+)
+
+_REWARDS_OF_ROOM: Final = (
+    select(_reward.c.box_id, _reward.c.level, _reward.c.user_id, _reward.c.event_id)
+    .where(_reward.c.app_code == bindparam("app_code"), _reward.c.room_id == bindparam("room_id"))
+    .order_by(_reward.c.created_at_ms, _reward.c.box_id, _reward.c.user_id)
+)
+_REWARDS_OF_BOX: Final = _REWARDS_OF_ROOM.where(_reward.c.box_id == bindparam("box_id"))
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _board_upsert(dialect: Literal["sqlite", "mysql"]) -> Insert:
+    if dialect == "sqlite":
+        lite = sqlite.insert(_board)
+        return lite.on_conflict_do_update(
+            index_elements=list(_board.primary_key.columns),
+            set_={"value": _board.c.value + lite.excluded.value, "updated_at_ms": lite.excluded.updated_at_ms},
+        )
+    my = mysql.insert(_board)
+    return my.on_duplicate_key_update(
+        value=_board.c.value + my.inserted.value,
+        updated_at_ms=my.inserted.updated_at_ms,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderboardEntry:
+    user_id: str
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class TreasureReward:
+    box_id: str
+    level: int
+    user_id: str
+    event_id: str
+
+
+class _AlreadyProcessed(Exception):
+    """Raised inside the write unit to roll its transaction back."""
+
+
+class ActivityStore:
+    """The activity service's tables on a :class:`Database`."""
+
+    def __init__(self, db: Database, *, clock: Callable[[], int] = wall_clock_ms) -> None:
+        self.db = db
+        self.clock = clock
+        self._upsert_board = _board_upsert(db.dialect_name)
+        self._insert_rewards = db.insert_ignoring_duplicates(_reward)
+
+    async def handle(self, event: Event) -> bool:
+        """Record ``event`` and apply its effect once; ``False`` if its event_id was already processed.
+
+        Raises :class:`~roomservice.store.port.StoreUnavailable` when the database does not answer.
+        """
+        now = self.clock()
+        processed = {"event_id": event.event_id, "event_type": event.type, "processed_at_ms": now}
+        board_rows = _board_rows(event, now)
+        reward_rows = _reward_rows(event, now)
+        try:
+            await self.db.run_write(
+                _handle, processed, self._upsert_board, board_rows, self._insert_rewards, reward_rows
+            )
+        except _AlreadyProcessed:
+            return False
+        return True
+
+    async def gift_leaderboard(
+        self, app_code: str, room_id: str, *, day: int, board: Board, limit: int
+    ) -> list[LeaderboardEntry]:
+        params = {"app_code": app_code, "room_id": room_id, "day": day, "board": board, "limit": limit}
+        rows = await self.db.run_read(_all_rows, _LEADERBOARD, params)
+        return [LeaderboardEntry(user_id=r.user_id, value=int(r.value)) for r in rows]
+
+    async def treasure_rewards(self, app_code: str, room_id: str, *, box_id: str | None = None) -> list[TreasureReward]:
+        params: dict[str, Any] = {"app_code": app_code, "room_id": room_id}
+        statement = _REWARDS_OF_ROOM
+        if box_id:
+            statement, params["box_id"] = _REWARDS_OF_BOX, box_id
+        rows = await self.db.run_read(_all_rows, statement, params)
+        return [TreasureReward(box_id=r.box_id, level=r.level, user_id=r.user_id, event_id=r.event_id) for r in rows]
+
+    async def is_processed(self, event_id: str) -> bool:
+        rows = await self.db.run_read(_all_rows, _IS_PROCESSED, {"event_id": event_id})
+        return bool(rows)
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _board_rows(event: Event, now: int) -> list[dict[str, Any]]:
+    payload = event.payload
+    if not isinstance(payload, RoomGiftSent):
+        return []
+    key = {"app_code": event.app_code, "room_id": event.room_id, "day": utc_day(event.occurred_at_ms)}
+    value = {"value": payload.total_value, "updated_at_ms": now}
+    return [
+        {**key, "board": "sent", "user_id": payload.sender_id, **value},
+        {**key, "board": "received", "user_id": payload.receiver_id, **value},
+    ]
+
+
+def _reward_rows(event: Event, now: int) -> list[dict[str, Any]]:
+    payload = event.payload
+    if not isinstance(payload, RoomTreasureOpened):
+        return []
+    return [
+        {
+            "app_code": event.app_code,
+            "room_id": event.room_id,
+            "box_id": payload.box_id,
+            "user_id": user_id,
+            "level": payload.level,
+            "event_id": event.event_id,
+            "created_at_ms": now,
+        }
+        for user_id in dict.fromkeys(payload.recipients)  # unique, in order
+    ]
+
+
+# --------------------------------------------------------------------------- transaction units
+
+
+def _handle(
+    conn: Connection,
+    processed: dict[str, Any],
+    upsert_board: Insert,
+    board_rows: list[dict[str, Any]],
+    insert_rewards: Insert,
+    reward_rows: list[dict[str, Any]],
+) -> None:
+    try:
+        conn.execute(_INSERT_PROCESSED, processed)
+    except IntegrityError as exc:  # the event_id primary key: processed (or being processed) already
+        raise _AlreadyProcessed(processed["event_id"]) from exc
+    if board_rows:
+        conn.execute(upsert_board, board_rows)
+    if reward_rows:
+        conn.execute(insert_rewards, reward_rows)
+
+
+def _all_rows(conn: Connection, statement: Select[Any], params: dict[str, Any]) -> Sequence[Row[Any]]:
+    return conn.execute(statement, params).all()
