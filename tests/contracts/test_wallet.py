@@ -1,4 +1,8 @@
-"""One contract suite for the wallet port, run against every adapter (fake, embedded on SQLite and MariaDB)."""
+"""One contract suite for the wallet port, run against every adapter.
+
+Adapters: fake, embedded on SQLite and MariaDB, and http (the HTTP adapter
+against the test wallet server of ``tests/wallet_server.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from tests.wallet_server import running_wallet_server
 
 from roomservice.store.database import Database
 from roomservice.wallet.embedded import EmbeddedWallet
@@ -23,7 +28,7 @@ from roomservice.wallet.port import (
 START = 1_000
 
 
-@pytest.fixture(params=["fake", "embedded-sqlite", "embedded-mariadb"])
+@pytest.fixture(params=["fake", "embedded-sqlite", "embedded-mariadb", "http"])
 def wallet_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -32,6 +37,14 @@ def wallet_kind(request: pytest.FixtureRequest) -> str:
 async def wallet(wallet_kind: str, request: pytest.FixtureRequest) -> AsyncIterator[Wallet]:
     if wallet_kind == "fake":
         yield FakeWallet(starting_balance=START)
+        return
+    if wallet_kind == "http":
+        async with running_wallet_server(starting_balance=START) as server:
+            client = server.client(timeout_s=5.0)
+            try:
+                yield client
+            finally:
+                await client.aclose()
         return
     backend = "sqlite_url" if wallet_kind.endswith("sqlite") else "mariadb_url"
     url: str = request.getfixturevalue(backend)
