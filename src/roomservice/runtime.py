@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from roomservice.activity.service import running_activity_service
 from roomservice.cell.lease import InProcessLeases, LeaseManager
 from roomservice.cell.registry import CellRegistry
 from roomservice.config import Settings
@@ -24,11 +25,13 @@ from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.treasure import DatabaseTreasureTimer, TreasureTimerRunner
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions, new_owner
 from roomservice.projections.port import InProcessProjections, RoomListEntry
+from roomservice.publishers.activity import ActivityPublisher
 from roomservice.service import RoomService, ServiceOptions, wall_clock_ms
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
 from roomservice.store.sql import SqlRoomStore
 from roomservice.wallet.embedded import EmbeddedWallet
+from roomservice.wallet.http import HttpWallet
 from roomservice.wallet.port import Wallet
 from roomservice.wallet.reconcile import DebitJournal, Reconciler
 
@@ -87,21 +90,37 @@ class Runtime:
         try:
             if settings.database.auto_migrate:
                 await upgrade(db)
-            runtime = await cls._build(settings, db, clock=clock, wallet=wallet, publishers=publishers or {})
-            if background:
-                runtime._start_loops()
-            _log.info(
-                "runtime_started",
-                database=db.dialect_name,
-                publish_mode=settings.outbox_worker.publish_mode,
-                wallet=settings.wallet.driver if wallet is None else type(wallet).__name__,
-            )
-            try:
-                yield runtime
-            finally:
-                await runtime._stop()
+            async with AsyncExitStack() as stack:
+                targets = dict(publishers or {})
+                health_checks: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+                if background:  # in-process services only where loops will use them
+                    await _start_direct_targets(settings, db, stack, targets, health_checks, clock=clock)
+                if wallet is None and settings.wallet.driver == "http":
+                    wallet = await stack.enter_async_context(HttpWallet.from_config(settings.wallet))
+                runtime = await cls._build(settings, db, clock=clock, wallet=wallet, publishers=targets)
+                for name, check in health_checks.items():
+                    runtime.health.register(name, check)
+                async with runtime._running(background=background):
+                    yield runtime
         finally:
             await db.dispose()
+
+    @asynccontextmanager
+    async def _running(self, *, background: bool) -> AsyncIterator[None]:
+        settings = self.settings
+        if background:
+            self._start_loops()
+        _log.info(
+            "runtime_started",
+            database=self.db.dialect_name,
+            publish_mode=settings.outbox_worker.publish_mode,
+            wallet=type(self.wallet).__name__,
+            targets=sorted(self.worker.publishers.names) if self.worker else [],
+        )
+        try:
+            yield
+        finally:
+            await self._stop()
 
     @classmethod
     async def _build(
@@ -119,8 +138,6 @@ class Runtime:
             store=store, leases=leases, idle_after_s=settings.room.idle_evict_after.total_seconds()
         )
         if wallet is None:
-            if settings.wallet.driver != "embedded":
-                raise NotImplementedError(f"wallet.driver {settings.wallet.driver!r} is not available yet")
             wallet = EmbeddedWallet(db, starting_balance=settings.wallet.starting_balance, clock=clock)
         journal = DebitJournal(db)
         reconciler = Reconciler(
@@ -273,6 +290,31 @@ class Runtime:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.registry.close()
         _log.info("runtime_stopped")
+
+
+async def _start_direct_targets(
+    settings: Settings,
+    db: Database,
+    stack: AsyncExitStack,
+    targets: dict[str, Publisher],
+    health: dict[str, Callable[[], Coroutine[Any, Any, None]]],
+    *,
+    clock: Callable[[], int],
+) -> None:
+    """Publishers of the direct mode, and the in-process services they talk to in the embedded
+    mode (an empty ``activity.target`` runs the reference activity service here)."""
+    outbox = settings.outbox_worker
+    if not outbox.enabled or outbox.publish_mode not in ("direct", "dual"):
+        return
+    if "activity" not in targets:
+        target = settings.activity.target
+        if not target:
+            service = await stack.enter_async_context(running_activity_service(db, clock=clock))
+            target = service.target
+            health["activity_service"] = _alive_check("activity service", lambda: service.serving)
+        publisher = ActivityPublisher(target)
+        stack.push_async_callback(publisher.close)
+        targets["activity"] = publisher
 
 
 def _ms(value: timedelta) -> int:
