@@ -5,6 +5,7 @@
     room-service db upgrade [--config FILE] [--data-dir DIR]
     room-service outbox stats|list|show|replay ...
     room-service activity serve [--config FILE] [--data-dir DIR] [--host H] [--port P]
+    room-service im-sandbox [--host H] [--port P] [--sdk-app-id N] [--secret-key-env VAR]
 
 With no ``--config`` the packaged ``configs/local.yaml`` is used: SQLite at
 ``<data-dir>/room.db`` (data dir ``./var``), everything in process.
@@ -214,6 +215,66 @@ async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir:
             await stop.wait()
     finally:
         await db.dispose()
+
+
+@app.command("im-sandbox")
+def im_sandbox(
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port (0 = any free port).")] = 0,
+    sdk_app_id: Annotated[int, typer.Option("--sdk-app-id", help="The SDKAppID the sandbox serves.")] = 1400000000,
+    secret_key_env: Annotated[
+        str, typer.Option("--secret-key-env", help="Environment variable holding the app's secret key.")
+    ] = "TENCENT_IM_SECRET_KEY",
+    admin_identifier: Annotated[
+        list[str] | None, typer.Option("--admin-identifier", help="App admin identifier (repeatable).")
+    ] = None,
+) -> None:
+    """Run the Tencent IM sandbox alone: the REST subset room-service uses, plus /_sandbox/ controls.
+
+    UserSigs are checked with the secret key read from the environment (never from the
+    command line). Prints the base URL once listening; SIGTERM/SIGINT stop it.
+    """
+    secret_key = os.environ.get(secret_key_env, "")
+    if not secret_key:
+        typer.echo(f"error: environment variable {secret_key_env} is not set (the IM app's secret key)", err=True)
+        raise typer.Exit(2)
+    from roomservice.observability.logging import configure_logging
+
+    configure_logging()
+    admins = tuple(admin_identifier or ["administrator"])
+    try:
+        asyncio.run(_im_sandbox(host=host, port=port, sdk_app_id=sdk_app_id, secret_key=secret_key, admins=admins))
+    except OSError as exc:  # the address is taken or cannot be bound
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+async def _im_sandbox(host: str, port: int, sdk_app_id: int, secret_key: str, admins: tuple[str, ...]) -> None:
+    import signal
+
+    from roomservice.integrations.im_sandbox import RunningSandbox, run_sandbox
+    from roomservice.observability.logging import get_logger
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def started(sandbox: RunningSandbox) -> None:
+        typer.echo(sandbox.base_url)
+        get_logger("roomservice.cli").info(
+            "im_sandbox_serving", base_url=sandbox.base_url, sdk_app_id=sdk_app_id, admins=list(admins)
+        )
+
+    await run_sandbox(
+        host,
+        port,
+        sdk_app_id=sdk_app_id,
+        secret_key=secret_key,
+        admin_identifiers=admins,
+        stop=stop,
+        on_started=started,
+    )
 
 
 @db_app.command("upgrade")
