@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from roomservice.activity.service import running_activity_service
+import httpx
+
+from roomservice.activity.service import RunningActivityService, running_activity_service
 from roomservice.cell.lease import InProcessLeases, LeaseManager
 from roomservice.cell.registry import CellRegistry
 from roomservice.config import Settings
 from roomservice.health import HealthChecks
+from roomservice.integrations.im_sandbox.server import RunningSandbox, running_sandbox
+from roomservice.integrations.tencent_im.client import TencentImClient
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS
 from roomservice.outbox.admin import OutboxAdmin
@@ -26,6 +31,7 @@ from roomservice.outbox.treasure import DatabaseTreasureTimer, TreasureTimerRunn
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions, new_owner
 from roomservice.projections.port import InProcessProjections, RoomListEntry
 from roomservice.publishers.activity import ActivityPublisher
+from roomservice.publishers.tencent_im import SentSteps, TencentImPublisher
 from roomservice.service import RoomService, ServiceOptions, wall_clock_ms
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
@@ -38,6 +44,7 @@ from roomservice.wallet.reconcile import DebitJournal, Reconciler
 _log = get_logger("roomservice.runtime")
 
 PROJECTION_SEED_LIMIT = 10_000
+EMBEDDED_SDK_APP_ID = 1_400_000_000  # the in-process IM sandbox's app when none is configured
 
 
 @dataclass(slots=True)
@@ -56,6 +63,9 @@ class Runtime:
     timer_runner: TreasureTimerRunner
     retention: RetentionSweeper
     worker: OutboxWorker | None = None
+    # in-process helpers of the embedded mode (None when configured to external services)
+    sandbox: RunningSandbox | None = None
+    activity_service: RunningActivityService | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
@@ -93,13 +103,19 @@ class Runtime:
             async with AsyncExitStack() as stack:
                 targets = dict(publishers or {})
                 health_checks: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+                helpers: dict[str, Any] = {}
                 if background:  # in-process services only where loops will use them
-                    await _start_direct_targets(settings, db, stack, targets, health_checks, clock=clock)
+                    await _start_direct_targets(settings, db, stack, targets, health_checks, helpers, clock=clock)
                 if wallet is None and settings.wallet.driver == "http":
                     wallet = await stack.enter_async_context(HttpWallet.from_config(settings.wallet))
                 runtime = await cls._build(settings, db, clock=clock, wallet=wallet, publishers=targets)
                 for name, check in health_checks.items():
                     runtime.health.register(name, check)
+                runtime.sandbox = helpers.get("sandbox")
+                runtime.activity_service = helpers.get("activity_service")
+                im = targets.get("im")
+                if isinstance(im, TencentImPublisher):  # CreateRoom creates the group synchronously too
+                    runtime.service.groups = im
                 async with runtime._running(background=background):
                     yield runtime
         finally:
@@ -298,6 +314,7 @@ async def _start_direct_targets(
     stack: AsyncExitStack,
     targets: dict[str, Publisher],
     health: dict[str, Callable[[], Coroutine[Any, Any, None]]],
+    helpers: dict[str, Any],
     *,
     clock: Callable[[], int],
 ) -> None:
@@ -306,15 +323,61 @@ async def _start_direct_targets(
     outbox = settings.outbox_worker
     if not outbox.enabled or outbox.publish_mode not in ("direct", "dual"):
         return
+    if "im" not in targets and settings.tencent_im.enabled:
+        targets["im"] = await _start_im(settings, db, stack, health, helpers, clock=clock)
     if "activity" not in targets:
         target = settings.activity.target
         if not target:
             service = await stack.enter_async_context(running_activity_service(db, clock=clock))
+            helpers["activity_service"] = service
             target = service.target
             health["activity_service"] = _alive_check("activity service", lambda: service.serving)
         publisher = ActivityPublisher(target)
         stack.push_async_callback(publisher.close)
         targets["activity"] = publisher
+
+
+async def _start_im(
+    settings: Settings,
+    db: Database,
+    stack: AsyncExitStack,
+    health: dict[str, Callable[[], Coroutine[Any, Any, None]]],
+    helpers: dict[str, Any],
+    *,
+    clock: Callable[[], int],
+) -> TencentImPublisher:
+    """The Tencent IM publisher; an empty ``tencent_im.base_url`` serves an IM sandbox in
+    process (its app id and key made up at start) so a newcomer sees messages without
+    credentials."""
+    config = settings.tencent_im
+    if config.base_url:
+        client = TencentImClient.from_config(config)
+    else:
+        sdk_app_id = config.sdk_app_id or EMBEDDED_SDK_APP_ID
+        secret = config.secret_key.get_secret_value() or secrets.token_hex(32)
+        sandbox = await stack.enter_async_context(
+            running_sandbox(sdk_app_id, secret, admin_identifiers=(config.admin_identifier,))
+        )
+        client = TencentImClient.from_config(
+            config,
+            base_url=sandbox.base_url,
+            sdk_app_id=sdk_app_id,
+            secret_key=secret,
+            transport=sandbox.transport(),
+        )
+        helpers["sandbox"] = sandbox
+        health["im_sandbox"] = _http_check(f"{sandbox.base_url}/_sandbox/healthz", sandbox.transport())
+        _log.info("im_sandbox_started", url=sandbox.base_url, sdk_app_id=sdk_app_id)
+    stack.push_async_callback(client.aclose)
+    return TencentImPublisher(client, SentSteps(db, clock=clock), group_type=config.group_type)
+
+
+def _http_check(url: str, transport: httpx.AsyncBaseTransport | None) -> Callable[[], Coroutine[Any, Any, None]]:
+    async def check() -> None:
+        async with httpx.AsyncClient(transport=transport, timeout=2.0) as http:
+            (await http.get(url)).raise_for_status()
+
+    return check
 
 
 def _ms(value: timedelta) -> int:

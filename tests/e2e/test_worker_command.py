@@ -54,14 +54,14 @@ async def test_worker_command_processes_rows_and_stops_on_sigterm(tmp_path: Path
             async with db.read() as conn:
                 row = (await conn.execute(sa.select(t.room_outbox))).one()
                 timers = (await conn.execute(sa.select(t.treasure_timer))).all()
-            if row.retry_count >= 1:
+            if "treasure_wakeup" in row.targets_done.split(",") and timers:
                 break
-            assert time.monotonic() < deadline, "the worker never took the row"
+            assert time.monotonic() < deadline, "the worker never scheduled the wake-up"
             await asyncio.sleep(0.1)
-        # the wake-up target succeeded and is recorded; the IM publisher is not in this process yet
-        assert "treasure_wakeup" in row.targets_done.split(",")
-        assert row.status == "retryable" and "no publisher for target 'im'" in row.last_error
+        # the wake-up target is recorded on the row, so a retry will not schedule it again
         assert [(tm.box_id, tm.status, tm.fire_at_ms) for tm in timers] == [("20990101-1", "scheduled", box.open_at_ms)]
+        # the IM target (the worker's in-process sandbox has no group for this made-up room) retries
+        assert row.status in ("retryable", "delivering", "pending")
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)

@@ -1,7 +1,8 @@
 """OutboxWorker: claim due rows, publish each to the targets it still needs, finish the batch.
 
-    claim (one short transaction) -> publish concurrently, each attempt bounded by
-    publish_timeout -> finish (one transaction, every write guarded by the claim)
+    claim (one short transaction) -> publish (rooms concurrently, each room's rows in
+    version order), each attempt bounded by publish_timeout -> finish (one transaction,
+    every write guarded by the claim)
 
 No transaction is open while publishing. A commit wakes the worker at once
 (``wake()``); ``poll_interval`` is only the fallback for rows committed by other
@@ -50,13 +51,15 @@ class WorkerOptions:
 
     @property
     def lock_ms(self) -> int:
-        """The claim lease: long enough for the whole batch, queued behind the concurrency limit."""
-        rounds = math.ceil(self.batch_size / self.publish_concurrency)
+        """The claim lease: long enough for the whole batch, queued behind the concurrency limit
+        (or, at worst, one room's rows one after another)."""
+        rounds = max(math.ceil(self.batch_size / self.publish_concurrency), MAX_ROOM_LANE)
         needed = rounds * self.publish_timeout_s + 5.0
         return int(max(self.lock_timeout_s, needed) * 1000)
 
 
 FULL_CLAIM_EVERY_S = 0.25
+MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another before the lease must hold
 
 
 def new_owner() -> str:
@@ -175,14 +178,28 @@ class OutboxWorker:
             return 0
         self.batches += 1
         self._in_flight.update(row.id for row in rows)
+        # Rooms in parallel, each room's rows in version order: an IM group is created
+        # before it gets messages and destroyed after them, as the room lived it.
         semaphore = asyncio.Semaphore(self.options.publish_concurrency)
+        lanes: dict[tuple[str, str], list[ClaimedRow]] = {}
+        excess: list[ClaimedRow] = []
+        for row in sorted(rows, key=lambda r: (r.room_version, r.id)):
+            lane_rows = lanes.setdefault((row.app_code, row.room_id), [])
+            # a lane is published row after row: more than MAX_ROOM_LANE could outlast the lease
+            (lane_rows if len(lane_rows) < MAX_ROOM_LANE else excess).append(row)
+        if excess:
+            await self.repository.release(owner=self.owner, row_ids=[r.id for r in excess], now_ms=self.clock())
+            self._in_flight.difference_update(r.id for r in excess)
 
-        async def bounded(row: ClaimedRow) -> Outcome:
-            async with semaphore:
-                return await self.deliver(row)
+        async def lane(room_rows: list[ClaimedRow]) -> list[Outcome]:
+            outcomes = []
+            for row in room_rows:
+                async with semaphore:
+                    outcomes.append(await self.deliver(row))
+            return outcomes
 
-        outcomes = await asyncio.gather(*(bounded(row) for row in rows))
-        await self._finish(outcomes)
+        per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
+        await self._finish([outcome for outcomes in per_room for outcome in outcomes])
         self._in_flight.difference_update(row.id for row in rows)
         return len(rows)
 

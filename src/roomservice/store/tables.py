@@ -239,6 +239,7 @@ im_sent_event = Table(
     Column("operation", ascii_id(32), primary_key=True),
     _ms("sent_at_ms"),
     Index(None, "sent_at_ms"),
+    Index(None, "group_id", "operation"),  # "was this group destroyed?"
     **MYSQL_TABLE_OPTIONS,
 )
 

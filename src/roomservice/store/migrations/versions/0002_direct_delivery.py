@@ -65,6 +65,7 @@ def upgrade() -> None:
         **_MYSQL,
     )
     op.create_index("ix_im_sent_event_sent_at_ms", "im_sent_event", ["sent_at_ms"])
+    op.create_index("ix_im_sent_event_group_id_operation", "im_sent_event", ["group_id", "operation"])
 
     op.create_table(
         "activity_processed_event",
@@ -114,5 +115,6 @@ def downgrade() -> None:
     op.drop_table("activity_gift_board")
     op.drop_index("ix_activity_processed_event_processed_at_ms", table_name="activity_processed_event")
     op.drop_table("activity_processed_event")
+    op.drop_index("ix_im_sent_event_group_id_operation", table_name="im_sent_event")
     op.drop_index("ix_im_sent_event_sent_at_ms", table_name="im_sent_event")
     op.drop_table("im_sent_event")

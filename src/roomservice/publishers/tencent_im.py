@@ -1,0 +1,182 @@
+"""The Tencent IM publisher (target ``im``): room events become group messages and group control.
+
+Per SPEC §3/§5:
+
+* RoomCreated -> EnsureGroup: import the owner's account, create the group; "exists and
+  you own it" (10025) is success, "taken by someone else" (10021) is permanent.
+* every other event -> one group custom message (TIMCustomElem) whose ``Data`` is JSON
+  ``{event_id, type, room_version, payload}`` and whose ``Random`` derives from event_id,
+  so Tencent's 5-minute duplicate window absorbs quick re-sends;
+* RoomUserKicked -> membership control by group type first (delete the member; on an
+  AVChatRoom ban them, falling back to muting them for the ban length);
+* RoomClosed -> the message, then destroy the group ("group not found" counts as done).
+
+Every step that succeeded is recorded in ``im_sent_event`` (event_id, step), so a retry —
+even after the 5-minute window — re-sends only the steps that did not happen.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+from roomservice.domain import events as e
+from roomservice.integrations.tencent_im import errors as im_errors
+from roomservice.integrations.tencent_im.client import (
+    TencentImClient,
+    account_id_for,
+    group_id_for,
+    random_for,
+)
+from roomservice.observability.logging import get_logger
+from roomservice.outbox.publisher import PermanentError, RetryableError
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+
+_log = get_logger("roomservice.im")
+
+GROUP, MEMBER, MESSAGE, DESTROY = "group", "member", "message", "destroy"
+AVCHATROOM = "AVChatRoom"
+
+
+class SentSteps:
+    """Our own record of IM steps done per event (Tencent dedupes for 5 minutes only)."""
+
+    def __init__(self, db: Database, *, clock: Callable[[], int]) -> None:
+        self._db = db
+        self._clock = clock
+        self._insert = db.insert_ignoring_duplicates(t.im_sent_event)
+        self._select = sa.select(t.im_sent_event.c.operation).where(
+            t.im_sent_event.c.event_id == sa.bindparam("event_id")
+        )
+        self._destroyed = (
+            sa.select(t.im_sent_event.c.event_id)
+            .where(t.im_sent_event.c.group_id == sa.bindparam("group_id"), t.im_sent_event.c.operation == DESTROY)
+            .limit(1)
+        )
+
+    async def done(self, event_id: str) -> set[str]:
+        async with self._db.read() as conn:
+            return {op for (op,) in (await conn.execute(self._select, {"event_id": event_id})).all()}
+
+    async def destroyed(self, group_id: str) -> bool:
+        """Did we destroy this group (its room closed)?"""
+        async with self._db.read() as conn:
+            return (await conn.execute(self._destroyed, {"group_id": group_id})).first() is not None
+
+    async def record(self, event_id: str, group_id: str, step: str) -> None:
+        async with self._db.write() as conn:
+            await conn.execute(
+                self._insert,
+                {"event_id": event_id, "group_id": group_id, "operation": step, "sent_at_ms": self._clock()},
+            )
+
+
+def message_data(event: e.Event) -> str:
+    """The custom message's ``Data``: what clients need to reconcile with the room view."""
+    return json.dumps(
+        {
+            "event_id": event.event_id,
+            "type": event.type,
+            "room_version": event.room_version,
+            "payload": event.payload.to_dict(),
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+
+
+class TencentImPublisher:
+    name = "im"
+
+    def __init__(self, client: TencentImClient, steps: SentSteps, *, group_type: str = AVCHATROOM) -> None:
+        self.client = client
+        self.steps = steps
+        self.group_type = group_type
+
+    def group_of(self, app_code: str, room_id: str) -> str:
+        return group_id_for(app_code, room_id, group_type=self.group_type)
+
+    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+        try:
+            await self._publish(event, deadline)
+        except im_errors.ImError as exc:
+            if exc.retryable:
+                raise RetryableError(str(exc)) from exc
+            raise PermanentError(str(exc)) from exc
+
+    async def _publish(self, event: e.Event, deadline: float) -> None:
+        group = self.group_of(event.app_code, event.room_id)
+        done = await self.steps.done(event.event_id)
+        p = event.payload
+        if isinstance(p, e.RoomCreated):
+            if GROUP not in done:
+                await self._ensure_group(group, p.owner_id, p.title, deadline)
+                await self.steps.record(event.event_id, group, GROUP)
+            return
+        if isinstance(p, e.RoomUserKicked) and MEMBER not in done:
+            await self._remove_member(group, p.target_id, p.ban_seconds, deadline)
+            await self.steps.record(event.event_id, group, MEMBER)
+        if MESSAGE not in done:
+            await self._send_message(group, event, deadline)
+            await self.steps.record(event.event_id, group, MESSAGE)
+        if isinstance(p, e.RoomClosed) and DESTROY not in done:
+            await self._destroy(group, deadline)
+            await self.steps.record(event.event_id, group, DESTROY)
+
+    # ------------------------------------------------------------------ steps
+
+    async def ensure_group(
+        self, *, app_code: str, room_id: str, owner_id: str, title: str, deadline: float | None = None
+    ) -> None:
+        """CreateRoom's synchronous group creation (the RoomCreated row is its safety net)."""
+        await self._ensure_group(self.group_of(app_code, room_id), owner_id, title, deadline)
+
+    async def _ensure_group(self, group: str, owner_id: str, title: str, deadline: float | None) -> None:
+        owner = account_id_for(owner_id)
+        await self.client.account_import(owner, deadline=deadline)  # Owner_Account must exist
+        try:
+            await self.client.create_group(group, owner, title, self.group_type, deadline=deadline)
+        except im_errors.ImPermanentError as exc:
+            if exc.code != im_errors.GROUP_ID_USED_BY_YOU:  # 10021 (someone else's) stays permanent
+                raise
+
+    async def _send_message(self, group: str, event: e.Event, deadline: float) -> None:
+        try:
+            await self.client.send_group_msg(
+                group, message_data(event), random=random_for(event.event_id), deadline=deadline
+            )
+        except im_errors.ImPermanentError as exc:
+            if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:
+                raise
+            if await self.steps.destroyed(group):
+                # a late retry after the room closed: nobody is left to tell
+                _log.info("im_message_to_closed_room_dropped", group_id=group, event_id=event.event_id)
+                return
+            # the RoomCreated row may not have created the group yet: try again later
+            raise im_errors.ImRetryableError(str(exc), code=exc.code, info=exc.info, command=exc.command) from exc
+
+    async def _remove_member(self, group: str, user_id: str, ban_seconds: int, deadline: float) -> None:
+        member = account_id_for(user_id)
+        try:
+            if self.group_type != AVCHATROOM:
+                await self.client.delete_group_member(group, [member], deadline=deadline)
+                return
+            try:
+                await self.client.ban_group_member(group, [member], ban_seconds, deadline=deadline)
+            except im_errors.ImPermanentError as exc:
+                # ban needs a higher package on some apps: mute them for the ban instead
+                _log.info("im_ban_fell_back_to_mute", group_id=group, code=exc.code)
+                await self.client.forbid_send_msg(group, [member], ban_seconds, deadline=deadline)
+        except im_errors.ImPermanentError as exc:
+            if exc.code != im_errors.ACCOUNT_NOT_FOUND:  # never in IM: nothing to remove
+                raise
+
+    async def _destroy(self, group: str, deadline: float) -> None:
+        try:
+            await self.client.destroy_group(group, deadline=deadline)
+        except im_errors.ImPermanentError as exc:
+            if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:  # already gone counts as done
+                raise
