@@ -70,6 +70,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type:
+            got = content_type or "none"
+            message = f"the body must be JSON (Content-Type: application/json), got {got!r}"
+            return _error(errors.InvalidArgument(message))
         return _error(errors.InvalidArgument(_describe_validation(exc)))
 
     @app.exception_handler(StarletteHTTPException)
