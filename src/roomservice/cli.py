@@ -193,28 +193,25 @@ async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir:
 
     from roomservice.activity.service import running_activity_service
     from roomservice.observability.logging import get_logger
-    from roomservice.store.database import Database
-    from roomservice.store.migrate import upgrade
+    from roomservice.store.migrate import opened_database
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    db = Database.from_url(
-        settings.database.connect_url(),
-        pool_size=settings.database.pool_size,
-        max_overflow=settings.database.max_overflow,
-        echo=settings.database.echo,
-    )
-    try:
-        if settings.database.auto_migrate:
-            await upgrade(db)
-        async with running_activity_service(db, host=host, port=port) as service:
-            (data_dir / "activity-port").write_text(f"{service.port}\n")
-            get_logger("roomservice.cli").info("activity_serving", target=service.target, database=db.dialect_name)
-            await stop.wait()
-    finally:
-        await db.dispose()
+    database = settings.database
+    async with (
+        opened_database(
+            database.connect_url(),
+            migrate=database.auto_migrate,
+            pool_size=database.pool_size,
+            max_overflow=database.max_overflow,
+        ) as db,
+        running_activity_service(db, host=host, port=port) as service,
+    ):
+        (data_dir / "activity-port").write_text(f"{service.port}\n")
+        get_logger("roomservice.cli").info("activity_serving", target=service.target, database=db.dialect_name)
+        await stop.wait()
 
 
 @app.command("im-sandbox")

@@ -34,7 +34,7 @@ from roomservice.publishers.activity import ActivityPublisher
 from roomservice.publishers.tencent_im import SentSteps, TencentImPublisher
 from roomservice.service import RoomService, ServiceOptions, wall_clock_ms
 from roomservice.store.database import Database
-from roomservice.store.migrate import upgrade
+from roomservice.store.migrate import opened_database
 from roomservice.store.sql import SqlRoomStore
 from roomservice.wallet.embedded import EmbeddedWallet
 from roomservice.wallet.http import HttpWallet
@@ -91,35 +91,31 @@ class Runtime:
         loop (outbox worker, treasure timer, eviction, reconciliation,
         retention) for tests that drive them by hand.
         """
-        db = Database.from_url(
-            settings.database.connect_url(),
-            pool_size=settings.database.pool_size,
-            max_overflow=settings.database.max_overflow,
-            echo=settings.database.echo,
-        )
-        try:
-            if settings.database.auto_migrate:
-                await upgrade(db)
-            async with AsyncExitStack() as stack:
-                targets = dict(publishers or {})
-                health_checks: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
-                helpers: dict[str, Any] = {}
-                if background:  # in-process services only where loops will use them
-                    await _start_direct_targets(settings, db, stack, targets, health_checks, helpers, clock=clock)
-                if wallet is None and settings.wallet.driver == "http":
-                    wallet = await stack.enter_async_context(HttpWallet.from_config(settings.wallet))
-                runtime = await cls._build(settings, db, clock=clock, wallet=wallet, publishers=targets)
-                for name, check in health_checks.items():
-                    runtime.health.register(name, check)
-                runtime.sandbox = helpers.get("sandbox")
-                runtime.activity_service = helpers.get("activity_service")
-                im = targets.get("im")
-                if isinstance(im, TencentImPublisher):  # CreateRoom creates the group synchronously too
-                    runtime.service.groups = im
-                async with runtime._running(background=background):
-                    yield runtime
-        finally:
-            await db.dispose()
+        database = settings.database
+        async with opened_database(
+            database.connect_url(),
+            migrate=database.auto_migrate,
+            pool_size=database.pool_size,
+            max_overflow=database.max_overflow,
+            echo=database.echo,
+        ) as db, AsyncExitStack() as stack:
+            targets = dict(publishers or {})
+            health_checks: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
+            helpers: dict[str, Any] = {}
+            if background:  # in-process services only where loops will use them
+                await _start_direct_targets(settings, db, stack, targets, health_checks, helpers, clock=clock)
+            if wallet is None and settings.wallet.driver == "http":
+                wallet = await stack.enter_async_context(HttpWallet.from_config(settings.wallet))
+            runtime = await cls._build(settings, db, clock=clock, wallet=wallet, publishers=targets)
+            for name, check in health_checks.items():
+                runtime.health.register(name, check)
+            runtime.sandbox = helpers.get("sandbox")
+            runtime.activity_service = helpers.get("activity_service")
+            im = targets.get("im")
+            if isinstance(im, TencentImPublisher):  # CreateRoom creates the group synchronously too
+                runtime.service.groups = im
+            async with runtime._running(background=background):
+                yield runtime
 
     @asynccontextmanager
     async def _running(self, *, background: bool) -> AsyncIterator[None]:

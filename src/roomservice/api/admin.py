@@ -15,19 +15,15 @@ unauthorized`` — always in the one error shape of SPEC §8.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from roomservice import errors
-from roomservice.durations import parse_duration
 from roomservice.outbox.admin import MAX_LIST_LIMIT, OutboxAdmin, OutboxFilter
 
 ACTOR = "admin-api"
 MAX_REPLAY_IDS = 1000
-_MS = timedelta(milliseconds=1)
 
 EventId = Annotated[str, Field(min_length=1, max_length=64)]
 FilterText = Annotated[str, Field(min_length=1, max_length=200)]
@@ -47,14 +43,14 @@ class ReplayFilterBody(BaseModel):
     error: FilterText | None = None
 
     def to_filter(self) -> OutboxFilter:
-        return _build_filter(
-            self.status or [],
+        return OutboxFilter.parse(
+            statuses=self.status or [],
             event_type=self.type,
             app_code=self.app,
             room_id=self.room,
             older_than=self.older_than,
             newer_than=self.newer_than,
-            error=self.error,
+            error_contains=self.error,
         )
 
 
@@ -72,35 +68,6 @@ class ReplayBody(BaseModel):
         return self
 
 
-def _duration_ms(name: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return parse_duration(text) // _MS
-    except ValueError as exc:
-        raise errors.InvalidArgument(f"{name}: {exc}") from None
-
-
-def _build_filter(
-    statuses: list[str],
-    *,
-    event_type: str | None,
-    app_code: str | None,
-    room_id: str | None,
-    older_than: str | None,
-    newer_than: str | None,
-    error: str | None,
-) -> OutboxFilter:
-    words = tuple(w.strip() for s in statuses for w in s.split(",") if w.strip())
-    return OutboxFilter(
-        statuses=words,
-        event_type=event_type,
-        app_code=app_code,
-        room_id=room_id,
-        older_than_ms=_duration_ms("older_than", older_than),
-        newer_than_ms=_duration_ms("newer_than", newer_than),
-        error_contains=error,
-    ).validated()
 
 
 def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None]]) -> APIRouter:
@@ -122,14 +89,14 @@ def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None
         limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 50,
         after_id: Annotated[int | None, Query(ge=0)] = None,
     ) -> dict[str, Any]:
-        flt = _build_filter(
-            status or [],
+        flt = OutboxFilter.parse(
+            statuses=status or [],
             event_type=event_type,
             app_code=app,
             room_id=room,
             older_than=older_than,
             newer_than=newer_than,
-            error=error,
+            error_contains=error,
         )
         rows = await admin.list(flt, limit=limit, after_id=after_id)
         return {

@@ -36,6 +36,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any, Final, Literal, TypeAlias
 
 from sqlalchemy import (
@@ -51,6 +52,7 @@ from sqlalchemy import (
 )
 
 from roomservice import errors, wire
+from roomservice.durations import parse_duration
 from roomservice.outbox.model import Status
 from roomservice.store.database import Database
 from roomservice.store.tables import room_outbox, room_outbox_audit
@@ -80,6 +82,15 @@ ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable"]
 # --------------------------------------------------------------------------- values
 
 
+def _age_ms(name: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_duration(text) // timedelta(milliseconds=1)
+    except ValueError as exc:
+        raise errors.InvalidArgument(f"{name}: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class OutboxFilter:
     """Which rows: every given criterion must hold (all ``None``/empty: every row).
@@ -97,6 +108,33 @@ class OutboxFilter:
     older_than_ms: int | None = None
     newer_than_ms: int | None = None
     error_contains: str | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        statuses: Iterable[str] = (),
+        event_type: str | None = None,
+        app_code: str | None = None,
+        room_id: str | None = None,
+        older_than: str | None = None,
+        newer_than: str | None = None,
+        error_contains: str | None = None,
+        names: dict[str, str] | None = None,
+    ) -> OutboxFilter:
+        """A validated filter from text as people type it: statuses repeated or comma-separated,
+        ages as Go durations ("10m"). Errors (:class:`errors.InvalidArgument`) use ``names``
+        for the criterion, e.g. ``{"older_than": "--older-than"}`` in the CLI."""
+        label = names or {}
+        return cls(
+            statuses=tuple(w.strip() for s in statuses for w in s.split(",") if w.strip()),
+            event_type=event_type,
+            app_code=app_code,
+            room_id=room_id,
+            older_than_ms=_age_ms(label.get("older_than", "older_than"), older_than),
+            newer_than_ms=_age_ms(label.get("newer_than", "newer_than"), newer_than),
+            error_contains=error_contains,
+        ).validated()
 
     def validated(self) -> OutboxFilter:
         """This filter, deduplicated; :class:`errors.InvalidArgument` naming the first bad criterion."""

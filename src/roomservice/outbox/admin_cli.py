@@ -36,7 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from roomservice import errors
-from roomservice.durations import format_duration, parse_duration
+from roomservice.durations import format_duration
 from roomservice.outbox.admin import (
     LEGACY_STATUSES,
     OutboxAdmin,
@@ -97,20 +97,15 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[OutboxAdmin], Awai
     """Open the configured database, run ``work`` against an :class:`OutboxAdmin`, close it."""
     from roomservice.cli import _settings  # lazy: cli.py imports this module
     from roomservice.config import ConfigError
-    from roomservice.store.database import Database
-    from roomservice.store.migrate import upgrade
+    from roomservice.store.migrate import opened_database
     from roomservice.store.port import StoreUnavailable
 
     settings = _settings(config, data_dir.expanduser().resolve())
 
     async def main() -> T:
-        db = Database.from_url(settings.database.connect_url(), pool_size=2, max_overflow=2)
-        try:
-            if settings.database.auto_migrate:
-                await upgrade(db)
+        url = settings.database.connect_url()
+        async with opened_database(url, migrate=settings.database.auto_migrate, pool_size=2, max_overflow=2) as db:
             return await work(OutboxAdmin(db, clock=_now_ms))
-        finally:
-            await db.dispose()
 
     try:
         return asyncio.run(main())
@@ -122,15 +117,6 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[OutboxAdmin], Awai
         _fail(str(exc), 1)
 
 
-def _duration_ms(option: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return parse_duration(text) // timedelta(milliseconds=1)
-    except ValueError as exc:
-        _fail(f"{option}: {exc}")
-
-
 def _filter(
     statuses: list[str] | None,
     event_type: str | None,
@@ -140,17 +126,17 @@ def _filter(
     newer_than: str | None,
     error: str | None,
 ) -> OutboxFilter:
-    words = tuple(w.strip() for s in statuses or [] for w in s.split(",") if w.strip())
     try:
-        return OutboxFilter(
-            statuses=words,
+        return OutboxFilter.parse(
+            statuses=statuses or [],
             event_type=event_type,
             app_code=app,
             room_id=room,
-            older_than_ms=_duration_ms("--older-than", older_than),
-            newer_than_ms=_duration_ms("--newer-than", newer_than),
+            older_than=older_than,
+            newer_than=newer_than,
             error_contains=error,
-        ).validated()
+            names={"older_than": "--older-than", "newer_than": "--newer-than"},
+        )
     except errors.InvalidArgument as exc:
         _fail(exc.message)
 

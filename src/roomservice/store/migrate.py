@@ -12,6 +12,8 @@ named server lock instead.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Final
 
@@ -74,14 +76,25 @@ async def current_revision(db: Database) -> str | None:
         return await conn.run_sync(read)
 
 
+@asynccontextmanager
+async def opened_database(
+    url: str | URL, *, migrate: bool, pool_size: int = 20, max_overflow: int = 20, echo: bool = False
+) -> AsyncIterator[Database]:
+    """A :class:`Database` for the block, migrated to head first when ``migrate``; disposed after."""
+    db = Database.from_url(url, pool_size=pool_size, max_overflow=max_overflow, echo=echo)
+    try:
+        if migrate:
+            await upgrade(db)
+        yield db
+    finally:
+        await db.dispose()
+
+
 def upgrade_url(url: str | URL, revision: str = "head") -> None:
     """Synchronous entry point for ``room-service db upgrade``."""
 
     async def main() -> None:
-        db = Database.from_url(url, pool_size=1, max_overflow=0)
-        try:
+        async with opened_database(url, migrate=False, pool_size=1, max_overflow=0) as db:
             await upgrade(db, revision)
-        finally:
-            await db.dispose()
 
     asyncio.run(main())

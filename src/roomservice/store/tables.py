@@ -22,15 +22,16 @@ from sqlalchemy import (
     Column,
     Index,
     Integer,
-    LargeBinary,
     MetaData,
     String,
     Table,
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.dialects import mysql
 from sqlalchemy.types import TypeEngine
+
+# One definition of each column type: the migrations' frozen helpers (see migrations/ddl.py).
+from roomservice.store.migrations.ddl import MYSQL_TABLE, ascii_id, blob, json_text, ms
 
 NAMING_CONVENTION: dict[str, str] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -38,38 +39,16 @@ NAMING_CONVENTION: dict[str, str] = {
 }
 
 # MySQL "mysql+..." and MariaDB-only "mariadb+..." URLs read differently prefixed options.
-MYSQL_TABLE_OPTIONS: dict[str, Any] = {
-    "mysql_engine": "InnoDB",
-    "mysql_charset": "utf8mb4",
-    "mariadb_engine": "InnoDB",
-    "mariadb_charset": "utf8mb4",
-}
+MYSQL_TABLE_OPTIONS: dict[str, Any] = MYSQL_TABLE
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
-
-
-def ascii_id(length: int) -> TypeEngine[str]:
-    """An ASCII identifier that compares case-sensitively on every backend."""
-    return String(length).with_variant(
-        mysql.VARCHAR(length, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
-    )
-
-
-def json_text() -> TypeEngine[str]:
-    """A JSON document stored as text (MEDIUMTEXT on MySQL: TEXT stops at 64 KiB)."""
-    return Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
-
-
-def blob() -> TypeEngine[bytes]:
-    return LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
 
 
 def autoincrement_id() -> TypeEngine[int]:
     return BigInteger().with_variant(Integer(), "sqlite")
 
 
-def _ms(name: str, *, nullable: bool = False) -> Column[int]:
-    return Column(name, BigInteger(), nullable=nullable)
+_ms = ms
 
 
 room_meta = Table(

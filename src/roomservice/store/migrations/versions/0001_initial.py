@@ -4,7 +4,8 @@ Revision ID: 0001
 Revises:
 Create Date: 2025-01-01
 
-Explicit DDL (this file never imports ``roomservice.store.tables``): it is the
+Explicit DDL (this file never imports ``roomservice.store.tables``; column types come from the
+frozen helpers in ``migrations/ddl.py``): it is the
 schema as of this revision. Runs on SQLite and on MySQL/MariaDB (InnoDB,
 utf8mb4; identifiers ASCII with a binary, case-sensitive collation).
 """
@@ -12,46 +13,21 @@ utf8mb4; identifiers ASCII with a binary, case-sensitive collation).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import mysql
+
+from roomservice.store.migrations.ddl import MYSQL_TABLE as _MYSQL
+from roomservice.store.migrations.ddl import ascii_id as _id
+from roomservice.store.migrations.ddl import blob as _blob
+from roomservice.store.migrations.ddl import json_text as _json
+from roomservice.store.migrations.ddl import ms as _ms
+from roomservice.store.migrations.ddl import pk_id as _pk_id
 
 revision: str = "0001"
 down_revision: str | Sequence[str] | None = None
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-
-_MYSQL: dict[str, Any] = {
-    "mysql_engine": "InnoDB",
-    "mysql_charset": "utf8mb4",
-    "mariadb_engine": "InnoDB",
-    "mariadb_charset": "utf8mb4",
-}
-
-
-def _id(length: int) -> sa.types.TypeEngine[str]:
-    return sa.String(length).with_variant(
-        mysql.VARCHAR(length, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
-    )
-
-
-def _json() -> sa.types.TypeEngine[str]:
-    return sa.Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
-
-
-def _blob() -> sa.types.TypeEngine[bytes]:
-    return sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
-
-
-def _pk_id() -> sa.Column[int]:
-    return sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True)
-
-
-def _ms(name: str, *, nullable: bool = False) -> sa.Column[int]:
-    return sa.Column(name, sa.BigInteger(), nullable=nullable)
-
 
 def upgrade() -> None:
     op.create_table(

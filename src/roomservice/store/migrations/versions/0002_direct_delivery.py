@@ -13,46 +13,18 @@ event ids are written in the same transaction as their effect.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.dialects import mysql
+
+from roomservice.store.migrations.ddl import MYSQL_TABLE as _MYSQL
+from roomservice.store.migrations.ddl import ascii_id as _id
+from roomservice.store.migrations.ddl import ms as _ms
 
 revision: str = "0002"
 down_revision: str | Sequence[str] | None = "0001"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
-
-_MYSQL: dict[str, Any] = {
-    "mysql_engine": "InnoDB",
-    "mysql_charset": "utf8mb4",
-    "mariadb_engine": "InnoDB",
-    "mariadb_charset": "utf8mb4",
-}
-
-
-def _id(length: int) -> sa.types.TypeEngine[str]:
-    return sa.String(length).with_variant(
-        mysql.VARCHAR(length, charset="ascii", collation="ascii_bin"), "mysql", "mariadb"
-    )
-
-
-def _json() -> sa.types.TypeEngine[str]:
-    return sa.Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
-
-
-def _blob() -> sa.types.TypeEngine[bytes]:
-    return sa.LargeBinary().with_variant(mysql.LONGBLOB(), "mysql", "mariadb")
-
-
-def _pk_id() -> sa.Column[int]:
-    return sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True)
-
-
-def _ms(name: str, *, nullable: bool = False) -> sa.Column[int]:
-    return sa.Column(name, sa.BigInteger(), nullable=nullable)
-
 
 def upgrade() -> None:
     op.create_table(
