@@ -175,6 +175,25 @@ async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float =
             "expected": float(total)}
 
 
+async def idle_cost(backend: str, *, seconds: float = 10.0) -> dict[str, float]:
+    """CPU used by an idle serve-like process (worker, treasure timer, sweepers) over ``seconds``."""
+    import resource
+
+    async with fresh_database(backend) as url:
+        with tempfile.TemporaryDirectory() as data_dir:
+            settings = load_settings().with_data_dir(Path(data_dir)).with_overrides({"database.url": url})
+            async with Runtime.running(settings) as rt:
+                await asyncio.sleep(1.0)  # let start-up settle
+                assert rt.worker is not None
+                batches_before = rt.worker.batches
+                before = resource.getrusage(resource.RUSAGE_SELF)
+                await asyncio.sleep(seconds)
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                claimed = rt.worker.batches - batches_before
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"cpu_pct": 100 * cpu / seconds, "batches": float(claimed)}
+
+
 async def run(backends: list[str], rows: int) -> None:
     for backend in backends:
         for workers in (1, 2, 4):
@@ -186,6 +205,9 @@ async def run(backends: list[str], rows: int) -> None:
         print(f"[{backend}] commit-to-delivered at 200 events/s, poll_interval 1s: p50 {lat['p50']:.0f} ms, "
               f"p99 {lat['p99']:.0f} ms over {lat['n']:.0f}/{lat['expected']:.0f} events (target p99 < 50 ms)",
               flush=True)
+        idle = await idle_cost(backend)
+        print(f"[{backend}] idle process (worker polling every 1s, IM sandbox and activity service up): "
+              f"{idle['cpu_pct']:.2f}% of one core, {idle['batches']:.0f} batches claimed", flush=True)
 
 
 def main() -> None:
