@@ -25,6 +25,7 @@ import secrets
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -169,10 +170,10 @@ def empty_backend_url(request: pytest.FixtureRequest) -> str:
     return url
 
 
-@pytest_asyncio.fixture
-async def database(backend_url: str) -> AsyncIterator[Database]:
-    """A migrated :class:`Database`; on MariaDB every table is emptied after the test."""
-    db = Database.from_url(backend_url, pool_size=5, max_overflow=5)
+@asynccontextmanager
+async def migrated_database(url: str) -> AsyncIterator[Database]:
+    """A migrated :class:`Database` on ``url``; on MariaDB every table is emptied afterwards."""
+    db = Database.from_url(url, pool_size=5, max_overflow=5)
     await upgrade(db)
     try:
         yield db
@@ -182,3 +183,24 @@ async def database(backend_url: str) -> AsyncIterator[Database]:
                 for table in reversed(metadata.sorted_tables):
                     await conn.execute(table.delete())
         await db.dispose()
+
+
+@pytest_asyncio.fixture
+async def database(backend_url: str) -> AsyncIterator[Database]:
+    """A migrated :class:`Database` on each backend (parametrized sqlite / mariadb)."""
+    async with migrated_database(backend_url) as db:
+        yield db
+
+
+@pytest_asyncio.fixture
+async def mariadb_database(mariadb_url: str) -> AsyncIterator[Database]:
+    """A migrated MariaDB :class:`Database`, for tests of MariaDB-only behaviour."""
+    async with migrated_database(mariadb_url) as db:
+        yield db
+
+
+@pytest_asyncio.fixture
+async def sqlite_database(sqlite_url: str) -> AsyncIterator[Database]:
+    """A migrated SQLite :class:`Database`, for tests of SQLite-only behaviour."""
+    async with migrated_database(sqlite_url) as db:
+        yield db

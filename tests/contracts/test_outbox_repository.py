@@ -249,10 +249,10 @@ async def test_concurrent_claims_from_two_processes_never_share_a_row_and_take_a
 
 
 async def test_mariadb_claim_skips_rows_locked_by_another_transaction_without_waiting(
-    database: Database, backend_url: str, repo: SqlOutboxRepository
+    mariadb_database: Database, mariadb_url: str
 ) -> None:
-    if database.is_sqlite:
-        pytest.skip("row locks are MariaDB's; SQLite has one writer at a time")
+    # row locks are MariaDB's; SQLite has one writer at a time
+    database, backend_url, repo = mariadb_database, mariadb_url, SqlOutboxRepository(mariadb_database)
     locked, free = await insert(database, pending(T0 + 1), pending(T0 + 2))
     async with second_process(backend_url) as other_db, other_db.write() as conn:
         # Another worker is in the middle of claiming the oldest row.
@@ -492,11 +492,8 @@ def captured_statements(db: Database) -> Iterator[list[str]]:
         sa.event.remove(engine, "before_cursor_execute", capture)
 
 
-async def test_mariadb_claim_emits_skip_locked_selects_per_status_then_one_update(
-    database: Database, repo: SqlOutboxRepository
-) -> None:
-    if database.is_sqlite:
-        pytest.skip("MariaDB statements")
+async def test_mariadb_claim_emits_skip_locked_selects_per_status_then_one_update(mariadb_database: Database) -> None:
+    database, repo = mariadb_database, SqlOutboxRepository(mariadb_database)
     await insert(database, pending(), pending(), retryable(NOW), delivering(NOW - 1))
 
     with captured_statements(database) as full_batch:
@@ -515,9 +512,8 @@ async def test_mariadb_claim_emits_skip_locked_selects_per_status_then_one_updat
     assert sum(s.lstrip().upper().startswith("UPDATE") for s in rest) == 1
 
 
-async def test_sqlite_claim_is_one_indexed_statement(database: Database) -> None:
-    if not database.is_sqlite:
-        pytest.skip("SQLite query plan")
+async def test_sqlite_claim_is_one_indexed_statement(sqlite_database: Database) -> None:
+    database = sqlite_database
     compiled = SQLITE_CLAIM.compile(dialect=sqlite.dialect())
     sql = str(compiled).replace("\n", " ")
     assert sql.startswith("UPDATE room_outbox")

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+from tests.conftest import migrated_database
 from tests.wallet_server import running_wallet_server
 
-from roomservice.store.database import Database
 from roomservice.wallet.embedded import EmbeddedWallet
 from roomservice.wallet.fake import FakeWallet
 from roomservice.wallet.port import (
@@ -46,21 +46,9 @@ async def wallet(wallet_kind: str, request: pytest.FixtureRequest) -> AsyncItera
             finally:
                 await client.aclose()
         return
-    backend = "sqlite_url" if wallet_kind.endswith("sqlite") else "mariadb_url"
-    url: str = request.getfixturevalue(backend)
-    db = Database.from_url(url, pool_size=10, max_overflow=10)
-    from roomservice.store.migrate import upgrade
-    from roomservice.store.tables import metadata
-
-    await upgrade(db)
-    try:
+    url: str = request.getfixturevalue("sqlite_url" if wallet_kind.endswith("sqlite") else "mariadb_url")
+    async with migrated_database(url) as db:
         yield EmbeddedWallet(db, starting_balance=START, clock=lambda: 1_000_000)
-    finally:
-        if db.dialect_name == "mysql":
-            async with db.write() as conn:
-                for table in reversed(metadata.sorted_tables):
-                    await conn.execute(table.delete())
-        await db.dispose()
 
 
 def test_debit_key_is_derived_from_app_room_and_command() -> None:
