@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -58,20 +59,24 @@ class SentSteps:
         )
 
     async def done(self, event_id: str) -> set[str]:
-        async with self._db.read() as conn:
-            return {op for (op,) in (await conn.execute(self._select, {"event_id": event_id})).all()}
+        rows = await self._db.run_read(_rows, self._select, {"event_id": event_id})
+        return {op for (op,) in rows}
 
     async def destroyed(self, group_id: str) -> bool:
         """Did we destroy this group (its room closed)?"""
-        async with self._db.read() as conn:
-            return (await conn.execute(self._destroyed, {"group_id": group_id})).first() is not None
+        return bool(await self._db.run_read(_rows, self._destroyed, {"group_id": group_id}))
 
     async def record(self, event_id: str, group_id: str, step: str) -> None:
-        async with self._db.write() as conn:
-            await conn.execute(
-                self._insert,
-                {"event_id": event_id, "group_id": group_id, "operation": step, "sent_at_ms": self._clock()},
-            )
+        row = {"event_id": event_id, "group_id": group_id, "operation": step, "sent_at_ms": self._clock()}
+        await self._db.run_write(_execute, self._insert, row)
+
+
+def _rows(conn: sa.Connection, statement: sa.Executable, params: dict[str, object]) -> list[sa.Row[Any]]:
+    return list(conn.execute(statement, params).all())
+
+
+def _execute(conn: sa.Connection, statement: sa.Executable, params: dict[str, object]) -> None:
+    conn.execute(statement, params)
 
 
 def message_data(event: e.Event) -> str:
@@ -151,12 +156,7 @@ class TencentImPublisher:
         except im_errors.ImPermanentError as exc:
             if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:
                 raise
-            if await self.steps.destroyed(group):
-                # a late retry after the room closed: nobody is left to tell
-                _log.info("im_message_to_closed_room_dropped", group_id=group, event_id=event.event_id)
-                return
-            # the RoomCreated row may not have created the group yet: try again later
-            raise im_errors.ImRetryableError(str(exc), code=exc.code, info=exc.info, command=exc.command) from exc
+            await self._group_missing(group, exc)
 
     async def _remove_member(self, group: str, user_id: str, ban_seconds: int, deadline: float) -> None:
         member = account_id_for(user_id)
@@ -167,12 +167,25 @@ class TencentImPublisher:
             try:
                 await self.client.ban_group_member(group, [member], ban_seconds, deadline=deadline)
             except im_errors.ImPermanentError as exc:
-                # ban needs a higher package on some apps: mute them for the ban instead
+                if exc.code != im_errors.FEATURE_NOT_ENABLED:
+                    raise
+                # banning needs a higher package on some apps: mute them for the ban instead
                 _log.info("im_ban_fell_back_to_mute", group_id=group, code=exc.code)
                 await self.client.forbid_send_msg(group, [member], ban_seconds, deadline=deadline)
         except im_errors.ImPermanentError as exc:
-            if exc.code != im_errors.ACCOUNT_NOT_FOUND:  # never in IM: nothing to remove
+            if exc.code == im_errors.ACCOUNT_NOT_FOUND:  # never in IM: nothing to remove
+                return
+            if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:
                 raise
+            await self._group_missing(group, exc)
+
+    async def _group_missing(self, group: str, exc: im_errors.ImError) -> None:
+        """A step found no group: done if we destroyed it (the room closed), else retry later
+        (the RoomCreated row may not have created it yet)."""
+        if await self.steps.destroyed(group):
+            _log.info("im_step_for_closed_room_dropped", group_id=group, command=exc.command)
+            return
+        raise im_errors.ImRetryableError(str(exc), code=exc.code, info=exc.info, command=exc.command) from exc
 
     async def _destroy(self, group: str, deadline: float) -> None:
         try:
