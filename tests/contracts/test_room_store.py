@@ -590,3 +590,31 @@ async def test_racing_cells_on_one_room_commit_exactly_once(database: Database, 
     assert all(type(r) is StoreConflict for r in results if r is not None)
     assert (await meta_row(database)).version == 2
     assert await count(database, t.room_command_log) == 2
+
+
+async def test_concurrent_mutations_fail_or_commit_each_on_its_own(database: Database, store: SqlRoomStore) -> None:
+    """Saved together (SQLite commits a queue of them in one transaction, one savepoint each):
+    a stale writer and a reused command_id fail alone; the rest commit."""
+    good = [RoomDriver(store, room_id=f"g{n}") for n in range(4)]
+    stale, reused = RoomDriver(store, room_id="stale"), RoomDriver(store, room_id="reused")
+    for r in (*good, stale, reused):
+        await r.create()
+    await store.take_lease_epoch(APP, "stale")  # another process fenced this cell off
+    await reused.run(c.JoinRoom(user_id="first"), command_id="dup")
+    before = await written_rows(database)
+    mutations = [
+        *(r.mutation(c.JoinRoom(user_id="bob")) for r in good),
+        stale.mutation(c.JoinRoom(user_id="bob")),
+        reused.mutation(c.JoinRoom(user_id="second"), command_id="dup"),
+    ]
+
+    results = await asyncio.gather(*(store.save_mutation(m) for m in mutations), return_exceptions=True)
+
+    assert results[:4] == [None] * 4
+    assert type(results[4]) is StoreConflict
+    assert type(results[5]) is CommandIdTaken
+    log, outbox, _, _ = await written_rows(database)
+    assert (log, outbox) == (before[0] + 4, before[1] + 4)  # exactly the four good ones
+    for r in good:
+        assert (await store.load_room(APP, r.room_id)).state.version == 2  # type: ignore[union-attr]
+    assert (await meta_row(database, room_id="reused")).version == 2  # "first", not "second"

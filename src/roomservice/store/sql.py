@@ -12,6 +12,7 @@ thread hop on SQLite).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any, Final
@@ -51,6 +52,7 @@ from roomservice.store.port import (
     Mutation,
     RoomSummary,
     StoreConflict,
+    StoreUnavailable,
 )
 from roomservice.store.tables import (
     room_command_log,
@@ -204,6 +206,8 @@ class SqlRoomStore:
         self.db = db
         self.snapshot_keep = snapshot_keep
         self._insert_snapshot = db.insert_ignoring_duplicates(room_snapshot)
+        # SQLite has one writer: let mutations that queue behind a commit share the next one
+        self._group_commit = _GroupCommit(db) if db.is_sqlite else None
 
     async def find_command(self, app_code: str, room_id: str, command_id: str) -> LoggedCommand | None:
         params = {"app_code": app_code, "room_id": room_id, "command_id": command_id}
@@ -256,7 +260,11 @@ class SqlRoomStore:
         meta_guard, meta_values = _meta_write(mutation, mutation.state_after)
         command = _command_row(mutation, mutation.state_after)
         outbox = [_outbox_row(event, mutation.now_ms) for event in mutation.events]
-        await self.db.run_write(_save_mutation, mutation, meta_guard, meta_values, command, outbox)
+        unit = (mutation, meta_guard, meta_values, command, outbox)
+        if self._group_commit is not None:
+            await self._group_commit.save(unit)
+        else:
+            await self.db.run_write(_save_mutation, *unit)
 
     async def save_snapshot(self, state: RoomState, *, now_ms: int) -> None:
         row = {
@@ -348,6 +356,79 @@ def _save_mutation(
     if outbox:
         # A failure here (a duplicate event_id) is a bug, not a race: let it surface.
         conn.execute(_INSERT_OUTBOX, outbox)
+
+
+_MutationUnit = tuple[Mutation, "dict[str, Any] | None", "dict[str, Any]", "dict[str, Any]", "list[dict[str, Any]]"]
+_GROUP_COMMIT_MAX: Final = 256
+
+
+class _GroupCommit:
+    """Group commit for a single-writer database.
+
+    Every SaveMutation waits its turn for SQLite's one writer anyway; the gap
+    between one transaction ending and the next waiter getting to run is most
+    of the cost under load. Mutations that arrive while a commit is in flight
+    therefore go together into the next transaction, each inside its own
+    SAVEPOINT: one mutation's conflict rolls back only that mutation and is
+    raised to its caller alone, and every caller learns its own outcome only
+    after the shared COMMIT. A room's cell submits one mutation at a time, so
+    one batch never holds two mutations of the same room.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._queue: list[tuple[_MutationUnit, asyncio.Future[None]]] = []
+        self._draining = False
+        self._drainer: asyncio.Task[None] | None = None  # held so the task is not collected mid-run
+
+    async def save(self, unit: _MutationUnit) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._queue.append((unit, future))
+        if not self._draining:
+            self._draining = True
+            self._drainer = loop.create_task(self._drain())
+        await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue[:_GROUP_COMMIT_MAX], self._queue[_GROUP_COMMIT_MAX:]
+                try:
+                    outcomes = await self._db.run_write(_save_mutations, [unit for unit, _ in batch])
+                except BaseException as exc:  # the shared transaction failed: nobody committed
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if future.done():  # its caller gave up; the outcome stands in the database
+                        continue
+                    if outcome is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(outcome)
+        finally:
+            self._draining = False
+            for _, future in self._queue:  # only after a cancellation (shutdown)
+                if not future.done():
+                    future.set_exception(StoreUnavailable("the store is shutting down"))
+            self._queue.clear()
+
+
+def _save_mutations(conn: Connection, units: list[_MutationUnit]) -> list[StoreConflict | None]:
+    outcomes: list[StoreConflict | None] = []
+    for unit in units:
+        try:
+            with conn.begin_nested():
+                _save_mutation(conn, *unit)
+        except StoreConflict as conflict:  # CommandIdTaken too; its savepoint is rolled back
+            outcomes.append(conflict)
+        else:
+            outcomes.append(None)
+    return outcomes
 
 
 def _save_snapshot(conn: Connection, insert_ignoring_duplicates: Insert, row: dict[str, Any], keep: int) -> None:
