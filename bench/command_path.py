@@ -185,7 +185,9 @@ def http_run(commands: int) -> dict[str, float]:
     from tests.e2e.server import ServerProcess, write_config
 
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(config=write_config(Path(tmp) / "c.yaml"), data_dir=Path(tmp) / "data")
+        # the outbox worker off: this measures HTTP + the command path, not IM/activity delivery
+        config = write_config(Path(tmp) / "c.yaml", extra="outbox_worker: {enabled: false}\n")
+        server = ServerProcess(config=config, data_dir=Path(tmp) / "data")
         server.start()
         try:
 
@@ -280,7 +282,7 @@ def main() -> None:
     for backend in backends:
         asyncio.run(bench_backend(backend, args.commands))
     http = http_run(args.http_commands)
-    print(f"[http/sqlite] {http['cps']:.0f} cmd/s over HTTP (client and server on this machine), "
+    print(f"[http/sqlite] {http['cps']:.0f} cmd/s over HTTP (client and server on this machine, outbox worker off), "
           f"p50 {http['p50']:.1f} ms, p99 {http['p99']:.1f} ms")
     mem = memory_per_room()
     print(f"[memory] 10,000 rooms x 10 members: {mem['traced_bytes_per_room'] / 1024:.1f} KiB/room allocated "
