@@ -296,3 +296,43 @@ async def test_pending_only_claims_leave_due_retries_for_the_next_full_claim(dat
         assert [r.event_id for r in full] == [retry.event_id]
     else:  # one statement claims every kind on SQLite: the hint costs nothing to ignore
         assert {r.event_id for r in hinted} == {fresh.event_id, retry.event_id}
+
+
+async def test_a_busy_room_cannot_starve_the_others(
+    database: Database, make_worker: WorkerFactory, clock: Clock
+) -> None:
+    """A batch publishes at most MAX_ROOM_LANE rows of one room and sends the rest to the back
+    of the queue: a quiet room waits for one pass over the older rows, not for the busy room's
+    whole backlog to be delivered eight rows at a time."""
+    from roomservice.outbox.worker import MAX_ROOM_LANE
+
+    busy = [make_event(JOINED, room="busy", version=n + 1) for n in range(60)]
+    quiet = make_event(JOINED, room="quiet")
+    await insert_rows(database, *busy)
+    clock.advance(1)
+    await insert_rows(database, quiet, now=clock.now_ms)
+    worker = make_worker(batch_size=20)
+    cycles = 0
+    while (await row(database, quiet.event_id)).status != "delivered":
+        cycles += 1
+        assert cycles <= 4, "the quiet room is starved"  # 60 older rows / 20 per claim, then its turn
+        clock.advance(1)
+        await worker.run_once()
+    async with database.read() as conn:
+        delivered_busy = await conn.scalar(
+            sa.select(sa.func.count()).select_from(t.room_outbox)
+            .where(t.room_outbox.c.room_id == "busy", t.room_outbox.c.status == "delivered")
+        )
+    assert delivered_busy == cycles * MAX_ROOM_LANE < len(busy)
+
+
+async def test_shutdown_releases_every_claim_of_the_owner(database: Database, make_worker: WorkerFactory) -> None:
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    worker = make_worker()
+    repo = SqlOutboxRepository(database)
+    # a claim the worker never heard of (it committed as a cancel landed)
+    await repo.claim_due(owner=worker.owner, now_ms=T0, lock_ms=60_000, limit=10)
+    await worker.shutdown()
+    r = await row(database, ev.event_id)
+    assert (r.status, r.lock_owner) == ("pending", None)

@@ -49,8 +49,13 @@ class OutboxRepository(Protocol):
         """Finish rows in one transaction, each write guarded by the claim. Returns rows changed."""
         ...
 
-    async def release(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
-        """Hand unfinished claims back (graceful shutdown): delivering -> pending/retryable as before."""
+    async def release(self, *, owner: str, row_ids: list[int] | None, now_ms: int) -> int:
+        """Hand unfinished claims back (graceful shutdown): delivering -> pending/retryable as before.
+        ``row_ids`` None: every row ``owner`` still holds."""
+        ...
+
+    async def defer(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
+        """Hand claimed, never-attempted rows back behind the rest of the queue (due now)."""
         ...
 
     async def delete_delivered(self, *, before_ms: int, limit: int) -> int:

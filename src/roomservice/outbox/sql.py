@@ -191,17 +191,26 @@ _FINISH_RETRY: Final = (
     )
 )
 _NEVER_TRIED = _c.retry_count == 0
-_RELEASE: Final = (
+_RELEASE_VALUES: Final = {
+    "status": case((_NEVER_TRIED, _PENDING), else_=_RETRYABLE),
+    "next_retry_at_ms": case((_NEVER_TRIED, _c.next_retry_at_ms), else_=bindparam("b_now")),
+    "due_at_ms": case((_NEVER_TRIED, _c.created_at_ms), else_=bindparam("b_now")),
+    "lock_owner": null(),
+    "lock_until_ms": null(),
+    "updated_at_ms": bindparam("b_now"),
+}
+_RELEASE: Final = update(_o).where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS).values(_RELEASE_VALUES)
+# Shutdown: everything this owner still holds, including a claim that committed as the
+# worker was being cancelled (its ids never reached the worker).
+_RELEASE_OWNED: Final = update(_o).where(_c.status == _DELIVERING, _c.lock_owner == bindparam("b_owner")).values(
+    _RELEASE_VALUES
+)
+# Rows claimed but not attempted (beyond a room's lane): back of the queue, so one busy
+# room cannot keep taking the head of every claim.
+_DEFER: Final = (
     update(_o)
     .where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS)
-    .values(
-        status=case((_NEVER_TRIED, _PENDING), else_=_RETRYABLE),
-        next_retry_at_ms=case((_NEVER_TRIED, _c.next_retry_at_ms), else_=bindparam("b_now")),
-        due_at_ms=case((_NEVER_TRIED, _c.created_at_ms), else_=bindparam("b_now")),
-        lock_owner=null(),
-        lock_until_ms=null(),
-        updated_at_ms=bindparam("b_now"),
-    )
+    .values({**_RELEASE_VALUES, "due_at_ms": bindparam("b_now")})
 )
 
 # --------------------------------------------------------------------------- retention
@@ -311,11 +320,19 @@ class SqlOutboxRepository:
         ]
         return await self.db.run_write(_finish, delivered_params, retry_params)
 
-    async def release(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
+    async def release(self, *, owner: str, row_ids: list[int] | None, now_ms: int) -> int:
+        if row_ids is None:
+            return await self.db.run_write(_rowcount, _RELEASE_OWNED, {"b_owner": owner, "b_now": now_ms})
         if not row_ids:
             return 0
         params = {"b_owner": owner, "b_now": now_ms, "b_ids": list(row_ids)}
         return await self.db.run_write(_rowcount, _RELEASE, params)
+
+    async def defer(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
+        if not row_ids:
+            return 0
+        params = {"b_owner": owner, "b_now": now_ms, "b_ids": list(row_ids)}
+        return await self.db.run_write(_rowcount, _DEFER, params)
 
     async def delete_delivered(self, *, before_ms: int, limit: int) -> int:
         if limit < 1:

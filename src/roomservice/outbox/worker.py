@@ -53,7 +53,8 @@ class WorkerOptions:
     def lock_ms(self) -> int:
         """The claim lease: long enough for the whole batch, queued behind the concurrency limit
         (or, at worst, one room's rows one after another)."""
-        rounds = max(math.ceil(self.batch_size / self.publish_concurrency), MAX_ROOM_LANE)
+        # a lane's rows also queue on the shared concurrency limit: the worst case adds up
+        rounds = math.ceil(self.batch_size / self.publish_concurrency) + MAX_ROOM_LANE
         needed = rounds * self.publish_timeout_s + 5.0
         return int(max(self.lock_timeout_s, needed) * 1000)
 
@@ -88,7 +89,6 @@ class OutboxWorker:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._running: asyncio.Task[None] | None = None
-        self._in_flight: set[int] = set()
         self._last_full_claim = float("-inf")
         self.batches = 0
 
@@ -149,12 +149,10 @@ class OutboxWorker:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._in_flight:
-            released = await self.repository.release(
-                owner=self.owner, row_ids=sorted(self._in_flight), now_ms=self.clock()
-            )
+        # by owner, not by the ids we know: a claim can commit as the cancel lands
+        released = await self.repository.release(owner=self.owner, row_ids=None, now_ms=self.clock())
+        if released:
             _log.info("outbox_claims_released", owner=self.owner, rows=released)
-            self._in_flight.clear()
 
     # ------------------------------------------------------------------ one cycle
 
@@ -177,7 +175,6 @@ class OutboxWorker:
         if not rows:
             return 0
         self.batches += 1
-        self._in_flight.update(row.id for row in rows)
         # Rooms in parallel, each room's rows in version order: an IM group is created
         # before it gets messages and destroyed after them, as the room lived it.
         semaphore = asyncio.Semaphore(self.options.publish_concurrency)
@@ -188,8 +185,7 @@ class OutboxWorker:
             # a lane is published row after row: more than MAX_ROOM_LANE could outlast the lease
             (lane_rows if len(lane_rows) < MAX_ROOM_LANE else excess).append(row)
         if excess:
-            await self.repository.release(owner=self.owner, row_ids=[r.id for r in excess], now_ms=self.clock())
-            self._in_flight.difference_update(r.id for r in excess)
+            await self.repository.defer(owner=self.owner, row_ids=[r.id for r in excess], now_ms=self.clock())
 
         async def lane(room_rows: list[ClaimedRow]) -> list[Outcome]:
             outcomes = []
@@ -200,7 +196,6 @@ class OutboxWorker:
 
         per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
         await self._finish([outcome for outcomes in per_room for outcome in outcomes])
-        self._in_flight.difference_update(row.id for row in rows)
         return len(rows)
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
