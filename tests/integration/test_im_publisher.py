@@ -543,3 +543,14 @@ async def test_slow_im_is_bounded_by_the_deadline(publisher: TencentImPublisher,
     with pytest.raises(RetryableError):
         await publish(publisher, joined(), timeout_s=0.3)
     assert time.monotonic() - started < 1.5
+
+
+async def test_a_late_room_created_retry_does_not_bring_a_destroyed_group_back(
+    publisher: TencentImPublisher, sandbox: RunningSandbox
+) -> None:
+    await room_with_group(publisher)  # CreateRoom's synchronous path made the group
+    await publish(publisher, closed())  # the room closed: message, then destroy
+    group = group_id_for(APP, ROOM)
+    assert group not in sandbox.state.groups
+    await publish(publisher, created())  # the RoomCreated row's retry arrives last
+    assert group not in sandbox.state.groups

@@ -117,7 +117,8 @@ class TencentImPublisher:
         done = await self.steps.done(event.event_id)
         p = event.payload
         if isinstance(p, e.RoomCreated):
-            if GROUP not in done:
+            # a late retry after the room closed must not bring the group back (ids are never reused)
+            if GROUP not in done and not await self.steps.destroyed(group):
                 await self._ensure_group(group, p.owner_id, p.title, deadline)
                 await self.steps.record(event.event_id, group, GROUP)
             return
