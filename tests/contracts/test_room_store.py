@@ -7,6 +7,7 @@ Rooms are driven through the real domain (``decide`` -> ``stamp`` ->
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -618,3 +619,25 @@ async def test_concurrent_mutations_fail_or_commit_each_on_its_own(database: Dat
     for r in good:
         assert (await store.load_room(APP, r.room_id)).state.version == 2  # type: ignore[union-attr]
     assert (await meta_row(database, room_id="reused")).version == 2  # "first", not "second"
+
+
+async def test_a_broken_mutation_fails_alone_among_concurrent_ones(database: Database, store: SqlRoomStore) -> None:
+    good = [RoomDriver(store, room_id=f"ok{n}") for n in range(3)]
+    broken = RoomDriver(store, room_id="broken")
+    for r in (*good, broken):
+        await r.create()
+    bad = broken.mutation(c.JoinRoom(user_id="bob"))
+    # the same event_id as a committed row: the outbox insert violates its unique key (a bug, not a race)
+    async with database.read() as conn:
+        taken = await conn.scalar(sa.select(t.room_outbox.c.event_id).where(t.room_outbox.c.room_id == "broken"))
+    clash = dataclasses.replace(bad, events=(dataclasses.replace(bad.events[0], event_id=taken),))
+    results = await asyncio.gather(
+        *(store.save_mutation(r.mutation(c.JoinRoom(user_id="bob"))) for r in good),
+        store.save_mutation(clash),
+        return_exceptions=True,
+    )
+    assert results[:3] == [None, None, None]
+    assert isinstance(results[3], sa.exc.IntegrityError)
+    for r in good:
+        assert (await meta_row(database, room_id=r.room_id)).version == 2
+    assert (await meta_row(database, room_id="broken")).version == 1  # nothing of it stayed

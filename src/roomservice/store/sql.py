@@ -37,7 +37,7 @@ from sqlalchemy import (
     union_all,
     update,
 )
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.sql.elements import BindParameter
 
 from roomservice import wire
@@ -418,14 +418,16 @@ class _GroupCommit:
             self._queue.clear()
 
 
-def _save_mutations(conn: Connection, units: list[_MutationUnit]) -> list[StoreConflict | None]:
-    outcomes: list[StoreConflict | None] = []
+def _save_mutations(conn: Connection, units: list[_MutationUnit]) -> list[Exception | None]:
+    outcomes: list[Exception | None] = []
     for unit in units:
         try:
             with conn.begin_nested():
                 _save_mutation(conn, *unit)
-        except StoreConflict as conflict:  # CommandIdTaken too; its savepoint is rolled back
-            outcomes.append(conflict)
+        except (OperationalError, InterfaceError):
+            raise  # the database itself failed: the shared transaction is gone for everyone
+        except Exception as failure:  # a conflict (or a bug) of this mutation: its savepoint rolled back
+            outcomes.append(failure)
         else:
             outcomes.append(None)
     return outcomes
