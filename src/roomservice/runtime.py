@@ -158,6 +158,7 @@ class Runtime:
             store=store,
             reconcile_after_ms=int(settings.wallet.reconcile_after.total_seconds() * 1000),
             clock=clock,
+            room_turn=registry.holding,
         )
         projections = InProcessProjections()
         summaries = await store.list_room_summaries(limit=PROJECTION_SEED_LIMIT)
@@ -294,14 +295,18 @@ class Runtime:
 
     async def _stop(self) -> None:
         self.timer_runner.stop()
-        if self.worker is not None:
-            # hands unfinished claims back so another process can take them at once
-            await self.worker.shutdown(grace_s=self.settings.outbox_worker.publish_timeout.total_seconds())
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.registry.close()
-        _log.info("runtime_stopped")
+        try:
+            if self.worker is not None:
+                # hands unfinished claims back so another process can take them at once
+                await self.worker.shutdown(grace_s=self.settings.outbox_worker.publish_timeout.total_seconds())
+        except Exception as exc:  # the claims then wait out their lease; stopping goes on
+            _log.warning("outbox_claims_not_released", error=repr(exc))
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.registry.close()
+            _log.info("runtime_stopped")
 
 
 async def _start_direct_targets(

@@ -111,6 +111,9 @@ class RoomService:
         except errors.RoomServiceError as exc:
             timing.result = exc.code
             raise
+        except asyncio.CancelledError:
+            timing.result = "cancelled"
+            raise
         except Exception:
             timing.result = "internal"
             raise
@@ -217,6 +220,11 @@ class RoomService:
         except StoreConflict as exc:
             await self.registry.retire(cell)
             raise errors.Retry("lost the room's lease or version race; retry") from exc
+        except BaseException:
+            # cancelled (the client went away) or failed mid-commit: the mutation may still
+            # commit, so this cell's state can no longer be trusted either
+            self.registry.discard(cell)
+            raise
         timing.save_mutation_ms = watch.lap()
         cell.commit(after, LoggedCommand(command_id, print_, body, body["version"]))
         if not events:

@@ -365,3 +365,62 @@ async def test_database_failure_at_commit_answers_503_and_reloads(
     again = await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob"))
     assert again["replayed"] is True
     assert [m["user_id"] for m in (await runtime.service.room(APP, "r1"))["members"]] == ["owner", "bob"]
+
+
+async def test_a_command_cancelled_mid_commit_leaves_no_stale_cell(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await open_room(runtime, "r1")
+    real_save = runtime.store.save_mutation
+    committed = asyncio.Event()
+
+    async def save_then_hang(mutation: object) -> None:
+        await real_save(mutation)  # type: ignore[arg-type]
+        committed.set()
+        await asyncio.Event().wait()  # the client goes away before the answer
+
+    monkeypatch.setattr(runtime.store, "save_mutation", save_then_hang)
+    with capture_logs() as logs:
+        task = asyncio.create_task(run(runtime, "r1", "j1", c.JoinRoom(user_id="bob")))
+        await committed.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert [e["result"] for e in logs if e["event"] == "room_command_timing"] == ["cancelled"]
+    monkeypatch.setattr(runtime.store, "save_mutation", real_save)
+    assert runtime.registry.peek(APP, "r1") is None  # dropped: its state missed the commit
+    body = await run(runtime, "r1", "j2", c.JoinRoom(user_id="carol"))  # no spurious 503 retry
+    assert body["version"] == 3
+    assert [m["user_id"] for m in body["room"]["members"]] == ["owner", "bob", "carol"]
+
+
+@pytest.mark.parametrize("first", ["retry", "reconcile"])
+async def test_a_gift_retried_during_reconciliation_is_paid_exactly_once(
+    runtime_factory: RuntimeFactory, wallet: FakeWallet, clock: Clock, first: str
+) -> None:
+    """The reconciler holds the room as a command does. A retry in flight commits first (and
+    restarts its debit's clock: nothing is refunded); a refund in flight finishes first (and
+    the retry then charges again). Either way the gift stays and bob pays once."""
+    async with runtime_factory(**{"wallet.reconcile_after": "10m"}) as rt:
+        await open_room(rt, "r1", "bob")
+        price = rt.service.rules.gifts["rose"].price
+        gift = c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1)
+        wallet.fail_after_debit = True
+        with pytest.raises(errors.Unavailable):
+            await run(rt, "r1", "g1", gift)
+        wallet.fail_after_debit = False
+        clock.advance(11 * 60_000)  # the orphan is old enough to refund
+
+        wallet.delay_s = 0.2  # whoever reaches the wallet first holds the room a while
+        calls = wallet.calls
+        starter = run(rt, "r1", "g1", gift) if first == "retry" else rt.reconciler.run_once()
+        started = asyncio.ensure_future(starter)
+        async with asyncio.timeout(10):
+            while wallet.calls == calls:  # it is inside the wallet call, holding the room
+                await asyncio.sleep(0.005)
+        second = rt.reconciler.run_once() if first == "retry" else run(rt, "r1", "g1", gift)
+        results = await asyncio.gather(started, second)
+        body, report = (results[0], results[1]) if first == "retry" else (results[1], results[0])
+        assert body["room"]["heat"] == price  # type: ignore[index]
+        assert report.refunded == (1 if first == "reconcile" else 0)  # type: ignore[union-attr]
+        assert wallet.balances[(APP, "bob")] == 10_000 - price

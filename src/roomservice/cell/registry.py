@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from roomservice.cell.cell import RoomCell
-from roomservice.cell.lease import LeaseManager
+from roomservice.cell.lease import LeaseManager, LeaseUnavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import RoomStore
 
@@ -30,6 +32,7 @@ class CellRegistry:
         self._idle_after_s = idle_after_s
         self._cells: dict[Key, RoomCell] = {}
         self._loading: dict[Key, asyncio.Future[RoomCell]] = {}
+        self._releasing: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._cells)
@@ -76,6 +79,33 @@ class CellRegistry:
         if self._cells.get(key) is cell:
             del self._cells[key]
         await self.leases.release(cell.lease)
+
+    @asynccontextmanager
+    async def holding(self, app_code: str, room_id: str) -> AsyncIterator[None]:
+        """Hold the room's turn, as a command does: nothing else runs on the room meanwhile."""
+        for _attempt in range(3):
+            cell = await self.cell(app_code, room_id)
+            try:
+                async with cell.turn():
+                    if cell.retired:  # replaced while we queued: take the fresh one
+                        continue
+                    yield
+                    return
+            finally:
+                if cell.state is None and not cell.retired:
+                    await self.retire(cell)
+        raise LeaseUnavailable(f"{app_code}/{room_id} kept moving")
+
+    def discard(self, cell: RoomCell) -> None:
+        """Retire ``cell`` at once, from any context (a cancelled task may not await again);
+        its lease is given back in the background."""
+        cell.retired = True
+        key = (cell.app_code, cell.room_id)
+        if self._cells.get(key) is cell:
+            del self._cells[key]
+        task = asyncio.get_running_loop().create_task(self.leases.release(cell.lease))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def evict_idle(self) -> int:
         """Retire cells unused for ``idle_after_s``; returns how many went."""

@@ -10,15 +10,18 @@ leaves the journal.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import Final
 
 import sqlalchemy as sa
 
+from roomservice.cell.lease import LeaseUnavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store import tables as t
 from roomservice.store.database import Database
-from roomservice.store.port import RoomStore
+from roomservice.store.port import RoomStore, StoreUnavailable
 from roomservice.wallet.port import Wallet, WalletError
 
 _log = get_logger("roomservice.wallet")
@@ -42,22 +45,9 @@ class DebitJournal:
         self._db = db
 
     async def record(self, entry: JournalEntry) -> None:
-        stmt = (
-            sa.insert(t.wallet_pending_debit)
-            .prefix_with("OR IGNORE", dialect="sqlite")
-            .prefix_with("IGNORE", dialect="mysql")
-            .values(
-                debit_key=entry.debit_key,
-                app_code=entry.app_code,
-                room_id=entry.room_id,
-                command_id=entry.command_id,
-                user_id=entry.user_id,
-                amount=entry.amount,
-                created_at_ms=entry.created_at_ms,
-            )
-        )
-        async with self._db.write() as conn:
-            await conn.execute(stmt)
+        """Journal a debit about to be asked for; a retry of the same command restarts its
+        clock, so reconciliation never refunds a debit whose command is still being tried."""
+        await self._db.run_write(_record, entry)
 
     async def forget(self, debit_key: str) -> None:
         async with self._db.write() as conn:
@@ -81,6 +71,40 @@ class DebitJournal:
         ]
 
 
+_TOUCH: Final = (
+    sa.update(t.wallet_pending_debit)
+    .where(t.wallet_pending_debit.c.debit_key == sa.bindparam("b_key"))
+    .values(created_at_ms=sa.bindparam("b_now"))
+)
+_INSERT: Final = (
+    sa.insert(t.wallet_pending_debit).prefix_with("OR IGNORE", dialect="sqlite").prefix_with("IGNORE", dialect="mysql")
+)
+
+
+def _record(conn: sa.Connection, entry: JournalEntry) -> None:
+    if conn.execute(_TOUCH, {"b_key": entry.debit_key, "b_now": entry.created_at_ms}).rowcount == 0:
+        conn.execute(
+            _INSERT,
+            {
+                "debit_key": entry.debit_key,
+                "app_code": entry.app_code,
+                "room_id": entry.room_id,
+                "command_id": entry.command_id,
+                "user_id": entry.user_id,
+                "amount": entry.amount,
+                "created_at_ms": entry.created_at_ms,
+            },
+        )
+
+
+RoomTurn = Callable[[str, str], AbstractAsyncContextManager[None]]
+
+
+@asynccontextmanager
+async def _no_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
+    yield
+
+
 @dataclass(frozen=True, slots=True)
 class ReconcileReport:
     checked: int = 0
@@ -99,33 +123,39 @@ class Reconciler:
         reconcile_after_ms: int,
         clock: Callable[[], int],
         batch_size: int = 200,
+        room_turn: RoomTurn = _no_turn,
     ) -> None:
+        """``room_turn(app, room)`` holds the room as a command does (the cell registry's
+        ``holding``): a gift retried at the same moment either commits before the check
+        (claimed) or runs after the refund (and charges again, once)."""
         self._journal = journal
         self._wallet = wallet
         self._store = store
         self._after_ms = reconcile_after_ms
         self._clock = clock
         self._batch_size = batch_size
+        self._room_turn = room_turn
 
     async def run_once(self) -> ReconcileReport:
         entries = await self._journal.older_than(self._clock() - self._after_ms, limit=self._batch_size)
         claimed = refunded = errors = 0
         for entry in entries:
             try:
-                if await self._store.find_command(entry.app_code, entry.room_id, entry.command_id) is not None:
-                    claimed += 1
-                else:
-                    debit = await self._wallet.refund(entry.debit_key)
-                    if debit is not None:
-                        refunded += 1
-                        _log.warning(
-                            "wallet_debit_refunded",
-                            debit_key=entry.debit_key,
-                            user_id=entry.user_id,
-                            amount=entry.amount,
-                        )
-                await self._journal.forget(entry.debit_key)
-            except (WalletError, TimeoutError) as exc:  # try again next pass
+                async with self._room_turn(entry.app_code, entry.room_id):
+                    if await self._store.find_command(entry.app_code, entry.room_id, entry.command_id) is not None:
+                        claimed += 1
+                    else:
+                        debit = await self._wallet.refund(entry.debit_key)
+                        if debit is not None:
+                            refunded += 1
+                            _log.warning(
+                                "wallet_debit_refunded",
+                                debit_key=entry.debit_key,
+                                user_id=entry.user_id,
+                                amount=entry.amount,
+                            )
+                    await self._journal.forget(entry.debit_key)
+            except (WalletError, TimeoutError, LeaseUnavailable, StoreUnavailable) as exc:  # next pass
                 errors += 1
                 _log.warning("wallet_reconcile_failed", debit_key=entry.debit_key, error=str(exc))
         return ReconcileReport(len(entries), claimed, refunded, errors)
