@@ -229,6 +229,7 @@ class Runtime:
         outbox_admin = OutboxAdmin(db, clock=clock, on_requeued=worker.wake if worker else None)
         retention = RetentionSweeper(
             repository,
+            [repository.delete_delivered, treasure_timer.purge_fired],
             retention_ms=_ms(outbox.delivered_retention),
             batch_size=outbox.retention_batch_size,
             clock=clock,
