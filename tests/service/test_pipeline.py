@@ -258,8 +258,11 @@ async def test_idle_cells_are_evicted_and_reload(runtime_factory: RuntimeFactory
         assert [m["user_id"] for m in body["room"]["members"]] == ["owner", "bob", "carol"]
 
 
-async def test_projection_failure_never_fails_a_command(runtime: Runtime) -> None:
-    runtime.service.projections.fail = True  # type: ignore[attr-defined]
+async def test_projection_failure_never_fails_a_command(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def unavailable(*args: object) -> None:
+        raise RuntimeError("projection store unavailable")
+
+    monkeypatch.setattr(runtime.service.projections, "room_changed", unavailable)
     with capture_logs() as logs:
         body = await run(runtime, "r1", "c1", c.CreateRoom(owner_id="owner", title="x"))
     assert body["version"] == 1

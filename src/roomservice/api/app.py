@@ -169,6 +169,5 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
         app.include_router(admin_router(ctx.outbox_admin, require_admin))
 
-    app.state.require_admin = require_admin
     app.add_middleware(BodyLimit, max_bytes=lim.MAX_BODY_BYTES)
     return app

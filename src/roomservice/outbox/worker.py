@@ -204,12 +204,12 @@ class OutboxWorker:
             event = decode_event(row.payload)
         except Exception as exc:  # an undecodable row can never be delivered
             return Outcome(row, row.targets_done, delivered=False, permanent=True, error=f"undecodable: {exc!r}")
-        needed = required_targets(row.event_type, self.options.mode) - row.targets_done
-        results = await asyncio.gather(*(self._publish(target, event, row.payload) for target in sorted(needed)))
+        needed = sorted(required_targets(row.event_type, self.options.mode) - row.targets_done)
+        results = await asyncio.gather(*(self._publish(target, event, row.payload) for target in needed))
         done = set(row.targets_done)
         errors: list[str] = []
         permanent = False
-        for target, error in zip(sorted(needed), results, strict=True):
+        for target, error in zip(needed, results, strict=True):
             if error is None:
                 done.add(target)
             else:

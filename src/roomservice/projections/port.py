@@ -71,11 +71,8 @@ class InProcessProjections:
     def __init__(self) -> None:
         self._rooms: dict[str, dict[str, RoomListEntry]] = {}
         self._presence: dict[tuple[str, str], str] = {}
-        self.fail = False  # tests switch this on to prove failures never fail a command
 
     async def room_changed(self, before: RoomState | None, after: RoomState) -> None:
-        if self.fail:
-            raise RuntimeError("projection store unavailable")
         entry = RoomListEntry.of(after)
         rooms = self._rooms.setdefault(after.app_code, {})
         if entry.status == CLOSED:

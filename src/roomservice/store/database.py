@@ -233,6 +233,14 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:")
 
 
+def insert_or_ignore(table: Table) -> Insert:
+    """``INSERT`` that skips a duplicate key and says so: rowcount 1 when inserted, 0 when
+    ignored (``INSERT OR IGNORE`` / ``INSERT IGNORE``). Unlike
+    :meth:`Database.insert_ignoring_duplicates` it can be built without a database, and
+    its rowcount can be trusted on MySQL too."""
+    return table.insert().prefix_with("OR IGNORE", dialect="sqlite").prefix_with("IGNORE", dialect="mysql")
+
+
 @contextmanager
 def _unavailable_on_failure() -> Iterator[None]:
     """Turn "the database did not answer" into :class:`StoreUnavailable`; other errors pass."""

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from roomservice.store import tables as t
-from roomservice.store.database import Database
+from roomservice.store.database import Database, insert_or_ignore
 from roomservice.wallet.port import (
     DEBITED,
     REFUNDED,
@@ -20,10 +20,6 @@ from roomservice.wallet.port import (
     DebitKeyConflict,
     InsufficientFunds,
 )
-
-
-def _insert_ignore(table: sa.Table) -> sa.Insert:
-    return sa.insert(table).prefix_with("OR IGNORE", dialect="sqlite").prefix_with("IGNORE", dialect="mysql")
 
 
 class EmbeddedWallet:
@@ -43,7 +39,7 @@ class EmbeddedWallet:
             self._known_accounts.add((app_code, user_id))
         async with self._db.write() as conn:
             claimed = await conn.execute(
-                _insert_ignore(t.wallet_debit).values(
+                insert_or_ignore(t.wallet_debit).values(
                     debit_key=key,
                     app_code=app_code,
                     user_id=user_id,
@@ -113,7 +109,7 @@ class EmbeddedWallet:
 
     async def _ensure_account(self, conn: AsyncConnection, app_code: str, user_id: str, now: int) -> None:
         await conn.execute(
-            _insert_ignore(t.wallet_account).values(
+            insert_or_ignore(t.wallet_account).values(
                 app_code=app_code, user_id=user_id, balance=self._starting_balance, updated_at_ms=now
             )
         )

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from roomservice.cell.lease import LeaseUnavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store import tables as t
-from roomservice.store.database import Database
+from roomservice.store.database import Database, insert_or_ignore
 from roomservice.store.port import RoomStore, StoreUnavailable
 from roomservice.wallet.port import Wallet, WalletError
 
@@ -76,9 +76,7 @@ _TOUCH: Final = (
     .where(t.wallet_pending_debit.c.debit_key == sa.bindparam("b_key"))
     .values(created_at_ms=sa.bindparam("b_now"))
 )
-_INSERT: Final = (
-    sa.insert(t.wallet_pending_debit).prefix_with("OR IGNORE", dialect="sqlite").prefix_with("IGNORE", dialect="mysql")
-)
+_INSERT: Final = insert_or_ignore(t.wallet_pending_debit)
 
 
 def _record(conn: sa.Connection, entry: JournalEntry) -> None:
