@@ -31,10 +31,10 @@ import sqlalchemy as sa
 
 from bench.common import describe, fresh_database, percentile, run_concurrently
 from roomservice.cell.cell import RoomCell
-from roomservice.cell.lease import Lease
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
 from roomservice.domain.decider import decide, replay, stamp
+from roomservice.leases.port import Lease
 from roomservice.observability.logging import configure_logging
 from roomservice.runtime import Runtime
 from roomservice.store import tables as t

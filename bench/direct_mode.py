@@ -46,11 +46,11 @@ from roomservice.integrations.tencent_im.usersig import gen_usersig
 from roomservice.observability.logging import configure_logging
 from roomservice.outbox.model import ClaimedRow, Outcome, PublishMode
 from roomservice.outbox.policy import RetryPolicy
-from roomservice.outbox.publisher import PublisherSet
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
 from roomservice.proto import activity_pb2 as apb
 from roomservice.publishers.activity import HANDLE_ROOM_EVENT, ActivityPublisher
+from roomservice.publishers.port import PublisherSet
 from roomservice.publishers.tencent_im import AVCHATROOM, SentSteps, TencentImPublisher, message_data
 from roomservice.store import tables as t
 from roomservice.store.database import Database

@@ -13,33 +13,38 @@ from typing import Any
 import httpx
 
 from roomservice.activity.service import RunningActivityService, running_activity_service
-from roomservice.cell.lease import InProcessLeases, LeaseManager
+from roomservice.admin.operations import OutboxAdmin
 from roomservice.cell.registry import CellRegistry
+from roomservice.clock import wall_clock_ms
 from roomservice.config import Settings
 from roomservice.health import HealthChecks
 from roomservice.integrations.im_sandbox.server import RunningSandbox, running_sandbox
 from roomservice.integrations.tencent_im.client import TencentImClient
+from roomservice.leases.inprocess import InProcessLeases
+from roomservice.leases.maintenance import DatabaseMaintenanceLock
+from roomservice.leases.port import LeaseManager
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS
-from roomservice.outbox.admin import OutboxAdmin
-from roomservice.outbox.model import PublishMode
+from roomservice.outbox.model import ACTIVITY, IM, TREASURE_WAKEUP, PublishMode
 from roomservice.outbox.policy import RetryPolicy
-from roomservice.outbox.publisher import Publisher, PublisherSet, TreasureWakeupPublisher
 from roomservice.outbox.retention import RetentionSweeper
 from roomservice.outbox.sql import SqlOutboxRepository
-from roomservice.outbox.treasure import DatabaseTreasureTimer, TreasureTimerRunner
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions, new_owner
 from roomservice.projections.port import InProcessProjections, RoomListEntry
 from roomservice.publishers.activity import ActivityPublisher
+from roomservice.publishers.port import Publisher, PublisherSet
 from roomservice.publishers.tencent_im import SentSteps, TencentImPublisher
-from roomservice.service import RoomService, ServiceOptions, wall_clock_ms
+from roomservice.publishers.treasure_wakeup import TreasureWakeupPublisher
+from roomservice.service import RoomService, ServiceOptions
 from roomservice.store.database import Database
 from roomservice.store.migrate import opened_database
 from roomservice.store.sql import SqlRoomStore
+from roomservice.timers.treasure import DatabaseTreasureTimer, TreasureTimerRunner
 from roomservice.wallet.embedded import EmbeddedWallet
 from roomservice.wallet.http import HttpWallet
+from roomservice.wallet.journal import DebitJournal
 from roomservice.wallet.port import Wallet
-from roomservice.wallet.reconcile import DebitJournal, Reconciler
+from roomservice.wallet.reconcile import Reconciler
 
 _log = get_logger("roomservice.runtime")
 
@@ -92,13 +97,16 @@ class Runtime:
         retention) for tests that drive them by hand.
         """
         database = settings.database
-        async with opened_database(
-            database.connect_url(),
-            migrate=database.auto_migrate,
-            pool_size=database.pool_size,
-            max_overflow=database.max_overflow,
-            echo=database.echo,
-        ) as db, AsyncExitStack() as stack:
+        async with (
+            opened_database(
+                database.connect_url(),
+                migrate=database.auto_migrate,
+                pool_size=database.pool_size,
+                max_overflow=database.max_overflow,
+                echo=database.echo,
+            ) as db,
+            AsyncExitStack() as stack,
+        ):
             targets = dict(publishers or {})
             health_checks: dict[str, Callable[[], Coroutine[Any, Any, None]]] = {}
             helpers: dict[str, Any] = {}
@@ -111,7 +119,7 @@ class Runtime:
                 runtime.health.register(name, check)
             runtime.sandbox = helpers.get("sandbox")
             runtime.activity_service = helpers.get("activity_service")
-            im = targets.get("im")
+            im = targets.get(IM)
             if isinstance(im, TencentImPublisher):  # CreateRoom creates the group synchronously too
                 runtime.service.groups = im
             async with runtime._running(background=background):
@@ -146,9 +154,7 @@ class Runtime:
     ) -> Runtime:
         store = SqlRoomStore(db)
         leases = InProcessLeases()
-        registry = CellRegistry(
-            store=store, leases=leases, idle_after_s=settings.room.idle_evict_after.total_seconds()
-        )
+        registry = CellRegistry(store=store, leases=leases, idle_after_s=settings.room.idle_evict_after.total_seconds())
         if wallet is None:
             wallet = EmbeddedWallet(db, starting_balance=settings.wallet.starting_balance, clock=clock)
         journal = DebitJournal(db)
@@ -196,14 +202,12 @@ class Runtime:
         outbox = settings.outbox_worker
         owner = new_owner()
         treasure_timer = DatabaseTreasureTimer(db, clock=clock, owner=owner)
-        timer_runner = TreasureTimerRunner(
-            treasure_timer, service.execute, idle_s=outbox.poll_interval.total_seconds()
-        )
+        timer_runner = TreasureTimerRunner(treasure_timer, service.execute, idle_s=outbox.poll_interval.total_seconds())
         treasure_timer.on_scheduled = timer_runner.wake
         repository = SqlOutboxRepository(db)
         worker = None
         if outbox.enabled:
-            targets: dict[str, Publisher] = {"treasure_wakeup": TreasureWakeupPublisher(treasure_timer)}
+            targets: dict[str, Publisher] = {TREASURE_WAKEUP: TreasureWakeupPublisher(treasure_timer)}
             targets.update(publishers)
             worker = OutboxWorker(
                 repository=repository,
@@ -228,7 +232,7 @@ class Runtime:
             service.on_outbox_commit.append(worker.wake)
         outbox_admin = OutboxAdmin(db, clock=clock, on_requeued=worker.wake if worker else None)
         retention = RetentionSweeper(
-            repository,
+            DatabaseMaintenanceLock(db),
             [repository.delete_delivered, treasure_timer.purge_fired],
             retention_ms=_ms(outbox.delivered_retention),
             batch_size=outbox.retention_batch_size,
@@ -325,9 +329,9 @@ async def _start_direct_targets(
     outbox = settings.outbox_worker
     if not outbox.enabled or outbox.publish_mode not in ("direct", "dual"):
         return
-    if "im" not in targets and settings.tencent_im.enabled:
-        targets["im"] = await _start_im(settings, db, stack, health, helpers, clock=clock)
-    if "activity" not in targets:
+    if IM not in targets and settings.tencent_im.enabled:
+        targets[IM] = await _start_im(settings, db, stack, health, helpers, clock=clock)
+    if ACTIVITY not in targets:
         target = settings.activity.target
         if not target:
             service = await stack.enter_async_context(running_activity_service(db, clock=clock))
@@ -336,7 +340,7 @@ async def _start_direct_targets(
             health["activity_service"] = _alive_check("activity service", lambda: service.serving)
         publisher = ActivityPublisher(target)
         stack.push_async_callback(publisher.close)
-        targets["activity"] = publisher
+        targets[ACTIVITY] = publisher
 
 
 async def _start_im(

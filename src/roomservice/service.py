@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,8 +20,8 @@ from typing import Any, Protocol
 
 from roomservice import errors
 from roomservice.cell.cell import RoomCell
-from roomservice.cell.lease import LeaseUnavailable
 from roomservice.cell.registry import CellRegistry
+from roomservice.clock import wall_clock_ms
 from roomservice.domain import commands as c
 from roomservice.domain import events as e
 from roomservice.domain.decider import decide, replay, stamp
@@ -30,6 +29,7 @@ from roomservice.domain.routing import Target, touches
 from roomservice.domain.rules import RoomRules
 from roomservice.domain.state import RoomState
 from roomservice.domain.view import room_view
+from roomservice.leases.port import LeaseUnavailable
 from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.projections.port import Projections
@@ -41,6 +41,7 @@ from roomservice.store.port import (
     StoreConflict,
     StoreUnavailable,
 )
+from roomservice.wallet.journal import DebitJournal, JournalEntry
 from roomservice.wallet.port import (
     DebitKeyConflict,
     InsufficientFunds,
@@ -48,13 +49,8 @@ from roomservice.wallet.port import (
     WalletUnavailable,
     debit_key,
 )
-from roomservice.wallet.reconcile import DebitJournal, JournalEntry
 
 _log = get_logger("roomservice.service")
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def new_event_id() -> str:

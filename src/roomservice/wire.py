@@ -26,9 +26,7 @@ def encode_event(event: e.Event) -> bytes:
         type=event.type,
         occurred_at_ms=event.occurred_at_ms,
     )
-    getattr(envelope, _FIELD_OF[event.type]).CopyFrom(
-        getattr(pb, event.type)(**event.payload.to_dict())
-    )
+    getattr(envelope, _FIELD_OF[event.type]).CopyFrom(getattr(pb, event.type)(**event.payload.to_dict()))
     data: bytes = envelope.SerializeToString()
     return data
 

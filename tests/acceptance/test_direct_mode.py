@@ -11,12 +11,12 @@ from tests.acceptance.conftest import all_delivered, eventually, statuses
 
 from roomservice.activity.service import start_activity_service
 from roomservice.activity.store import ActivityStore
+from roomservice.admin.operations import OutboxFilter
+from roomservice.clock import wall_clock_ms
 from roomservice.domain import commands as c
 from roomservice.domain.state import utc_day
 from roomservice.integrations.tencent_im.client import group_id_for
-from roomservice.outbox.admin import OutboxFilter
 from roomservice.runtime import Runtime
-from roomservice.service import wall_clock_ms
 from roomservice.store import tables as t
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from tests.api.conftest import ADMIN_TOKEN
 from tests.service.test_outbox_admin import HOUR, MIN, T0, Clock, gift_event, insert_rows, sample_rows
 
+from roomservice.admin.operations import OutboxAdmin
 from roomservice.api.app import ApiContext, create_app
-from roomservice.outbox.admin import OutboxAdmin
 from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 

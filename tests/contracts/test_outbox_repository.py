@@ -451,29 +451,6 @@ async def test_delete_delivered_is_bounded_and_only_takes_old_delivered_or_publi
     assert await repo.delete_delivered(before_ms=cutoff, limit=3) == 0
 
 
-async def test_maintenance_lock_excludes_a_second_holder_until_released(
-    database: Database, backend_url: str, repo: SqlOutboxRepository
-) -> None:
-    async with second_process(backend_url) as other_db:
-        other = SqlOutboxRepository(other_db)
-        assert await repo.try_maintenance_lock("outbox-retention")
-        try:
-            assert not await other.try_maintenance_lock("outbox-retention")
-            assert not await repo.try_maintenance_lock("outbox-retention")  # not re-entrant
-            assert await other.try_maintenance_lock("another-job")  # names are independent
-            await other.release_maintenance_lock("another-job")
-        finally:
-            await repo.release_maintenance_lock("outbox-retention")
-        assert await other.try_maintenance_lock("outbox-retention")
-        try:
-            assert not await repo.try_maintenance_lock("outbox-retention")
-        finally:
-            await other.release_maintenance_lock("outbox-retention")
-        await other.release_maintenance_lock("outbox-retention")  # releasing twice is harmless
-        assert await repo.try_maintenance_lock("outbox-retention")
-        await repo.release_maintenance_lock("outbox-retention")
-
-
 # --------------------------------------------------------------------------- emitted SQL
 
 

@@ -17,9 +17,9 @@ from typing import TextIO
 from roomservice.domain.events import Event
 from roomservice.outbox.model import BROKER, ClaimedRow, Outcome, PublishMode
 from roomservice.outbox.policy import RetryPolicy
-from roomservice.outbox.publisher import PublisherSet
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.port import PublisherSet
 from roomservice.store.database import Database
 
 

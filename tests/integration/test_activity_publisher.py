@@ -14,9 +14,9 @@ import pytest_asyncio
 from roomservice.activity.service import ActivityServicer, RunningActivityService, running_activity_service
 from roomservice.activity.store import ActivityStore
 from roomservice.domain import events as e
-from roomservice.outbox.publisher import PermanentError, RetryableError
 from roomservice.proto import activity_pb2 as apb
 from roomservice.publishers.activity import ActivityPublisher
+from roomservice.publishers.port import PermanentError, RetryableError
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
 from roomservice.wire import encode_event

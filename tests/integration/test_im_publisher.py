@@ -29,7 +29,7 @@ from roomservice.integrations.im_sandbox import RunningSandbox, running_sandbox
 from roomservice.integrations.im_sandbox.state import OutageMode
 from roomservice.integrations.tencent_im.client import TencentImClient, account_id_for, group_id_for, random_for
 from roomservice.integrations.tencent_im.errors import ImPermanentError
-from roomservice.outbox.publisher import PermanentError, RetryableError
+from roomservice.publishers.port import PermanentError, RetryableError
 from roomservice.publishers.tencent_im import DESTROY, GROUP, MEMBER, MESSAGE, SentSteps, TencentImPublisher
 from roomservice.store import tables as t
 from roomservice.store.database import Database

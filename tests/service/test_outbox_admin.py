@@ -9,8 +9,8 @@ import pytest
 import sqlalchemy as sa
 
 from roomservice import errors, wire
+from roomservice.admin.operations import ALL_STATUSES, OutboxAdmin, OutboxFilter
 from roomservice.domain import events as e
-from roomservice.outbox.admin import ALL_STATUSES, OutboxAdmin, OutboxFilter
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 

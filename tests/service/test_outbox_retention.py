@@ -6,11 +6,12 @@ import sqlalchemy as sa
 from tests.service.conftest import T0, Clock
 from tests.service.test_outbox_worker import JOINED, insert_rows, make_event
 
+from roomservice.leases.maintenance import DatabaseMaintenanceLock
 from roomservice.outbox.retention import LOCK_NAME, RetentionSweeper
 from roomservice.outbox.sql import SqlOutboxRepository
-from roomservice.outbox.treasure import DatabaseTreasureTimer
 from roomservice.store import tables as t
 from roomservice.store.database import Database
+from roomservice.timers.treasure import DatabaseTreasureTimer
 
 DAY = 86_400_000
 
@@ -36,15 +37,30 @@ async def test_sweep_deletes_old_delivered_rows_and_fired_timers_only(database: 
         await conn.execute(
             sa.insert(t.treasure_timer),
             [
-                dict(app_code="demo", room_id="r1", box_id=box, level=1, open_at_ms=at, command_id=f"open:{box}",
-                     status=status, fire_at_ms=at, attempts=0, created_at_ms=at, updated_at_ms=at)
+                dict(
+                    app_code="demo",
+                    room_id="r1",
+                    box_id=box,
+                    level=1,
+                    open_at_ms=at,
+                    command_id=f"open:{box}",
+                    status=status,
+                    fire_at_ms=at,
+                    attempts=0,
+                    created_at_ms=at,
+                    updated_at_ms=at,
+                )
                 for box, status, at in (("old", "fired", T0), ("new", "fired", clock.now_ms), ("due", "scheduled", T0))
             ],
         )
     repo = SqlOutboxRepository(database)
     timer = DatabaseTreasureTimer(database, clock=clock, owner="w")
     sweeper = RetentionSweeper(
-        repo, [repo.delete_delivered, timer.purge_fired], retention_ms=7 * DAY, batch_size=2, clock=clock
+        DatabaseMaintenanceLock(database),
+        [repo.delete_delivered, timer.purge_fired],
+        retention_ms=7 * DAY,
+        batch_size=2,
+        clock=clock,
     )
 
     assert await sweeper.sweep() == 6 + 1  # five delivered and one legacy row, in batches of two; one timer
@@ -60,12 +76,14 @@ async def test_only_the_lock_holder_sweeps(database: Database) -> None:
     await insert_rows(database, make_event(JOINED), status="delivered", now=T0)
     async with database.write() as conn:
         await conn.execute(sa.update(t.room_outbox).values(delivered_at_ms=T0))
-    holder = SqlOutboxRepository(database)
-    assert await holder.try_maintenance_lock(LOCK_NAME)
+    holder = DatabaseMaintenanceLock(database)
+    assert await holder.try_acquire(LOCK_NAME)
     other = SqlOutboxRepository(database)
-    sweeper = RetentionSweeper(other, [other.delete_delivered], retention_ms=DAY, batch_size=10, clock=clock)
+    sweeper = RetentionSweeper(
+        DatabaseMaintenanceLock(database), [other.delete_delivered], retention_ms=DAY, batch_size=10, clock=clock
+    )
     try:
         assert await sweeper.sweep() == 0
     finally:
-        await holder.release_maintenance_lock(LOCK_NAME)
+        await holder.release(LOCK_NAME)
     assert await sweeper.sweep() == 1

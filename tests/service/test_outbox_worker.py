@@ -15,9 +15,10 @@ from tests.service.conftest import T0, Clock
 from roomservice.domain import events as e
 from roomservice.outbox.model import BROKER, PublishMode
 from roomservice.outbox.policy import RetryPolicy
-from roomservice.outbox.publisher import FakePublisher, PublisherSet
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.fake import FakePublisher
+from roomservice.publishers.port import PublisherSet
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.wire import encode_event

@@ -16,7 +16,10 @@ from tests.service.helpers import APP, count, run
 from roomservice import errors
 from roomservice.domain import commands as c
 from roomservice.domain.events import Event, RoomTreasureCountdownStarted, RoomUserJoined
-from roomservice.outbox.treasure import (
+from roomservice.runtime import Runtime
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+from roomservice.timers.treasure import (
     DatabaseTreasureTimer,
     FireReport,
     Opener,
@@ -24,9 +27,6 @@ from roomservice.outbox.treasure import (
     backoff_ms,
     due_select,
 )
-from roomservice.runtime import Runtime
-from roomservice.store import tables as t
-from roomservice.store.database import Database
 from roomservice.wire import decode_event
 
 COUNTDOWN = "RoomTreasureCountdownStarted"

@@ -25,7 +25,8 @@ import grpc
 import grpc.aio
 
 from roomservice import wire
-from roomservice.activity.store import BOARDS, ActivityStore, Board, wall_clock_ms
+from roomservice.activity.store import BOARDS, ActivityStore, Board
+from roomservice.clock import wall_clock_ms
 from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened
 from roomservice.domain.limits import MAX_TREASURE_RECIPIENTS, valid_app_code, valid_id, valid_room_id
 from roomservice.observability.logging import get_logger

@@ -25,7 +25,6 @@ synchronous unit for :meth:`Database.run_write` / :meth:`Database.run_read`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -34,6 +33,7 @@ from sqlalchemy import Connection, Insert, Row, Select, bindparam, insert, selec
 from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from roomservice.clock import wall_clock_ms
 from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened
 from roomservice.domain.state import utc_day
 from roomservice.store.database import Database
@@ -66,10 +66,6 @@ _REWARDS_OF_ROOM: Final = (
     .order_by(_reward.c.created_at_ms, _reward.c.box_id, _reward.c.user_id)
 )
 _REWARDS_OF_BOX: Final = _REWARDS_OF_ROOM.where(_reward.c.box_id == bindparam("box_id"))
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def _board_upsert(dialect: Literal["sqlite", "mysql"]) -> Insert:

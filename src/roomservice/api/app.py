@@ -22,7 +22,7 @@ from roomservice.observability.metrics import REGISTRY
 from roomservice.service import RoomService
 
 if TYPE_CHECKING:
-    from roomservice.outbox.admin import OutboxAdmin
+    from roomservice.admin.operations import OutboxAdmin
 
 _log = get_logger("roomservice.api")
 
@@ -165,7 +165,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return {"active_cells": len(service.registry)}
 
     if ctx.outbox_admin is not None:
-        from roomservice.api.admin import admin_router
+        from roomservice.admin.http import admin_router
 
         app.include_router(admin_router(ctx.outbox_admin, require_admin))
 

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from roomservice.cell.lease import Lease
 from roomservice.domain.state import RoomState
+from roomservice.leases.port import Lease
 from roomservice.store.port import LoggedCommand
 
 RECENT_COMMANDS = 64

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from roomservice.cell.cell import RoomCell
-from roomservice.cell.lease import LeaseManager, LeaseUnavailable
+from roomservice.leases.port import LeaseManager, LeaseUnavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import RoomStore
 

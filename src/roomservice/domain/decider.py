@@ -26,9 +26,7 @@ from roomservice.domain.state import (
 Payloads = list[e.EventPayload]
 
 
-def decide(
-    state: RoomState | None, command: c.Command, *, now_ms: int, rules: RoomRules
-) -> Payloads:
+def decide(state: RoomState | None, command: c.Command, *, now_ms: int, rules: RoomRules) -> Payloads:
     """The events ``command`` causes on ``state``; raises a DomainError if a rule forbids it.
 
     An empty list is a no-op: it succeeds without changing the room.
@@ -164,7 +162,7 @@ def _open_treasure(state: RoomState, command: c.OpenTreasure, now_ms: int, rules
         return []
     if now_ms < box.open_at_ms:
         raise errors.TreasureTooEarly(box.open_at_ms)
-    recipients = tuple(state.members)[:lim.MAX_TREASURE_RECIPIENTS]
+    recipients = tuple(state.members)[: lim.MAX_TREASURE_RECIPIENTS]
     opened = e.RoomTreasureOpened(box_id=box.box_id, level=box.level, recipients=recipients)
     after = TreasureState(day=treasure.day, energy=treasure.energy, opened=box.level, box=None)
     return [opened, *_maybe_start_countdown(after, now_ms, rules)]
@@ -251,7 +249,7 @@ def _without(members: dict[str, int], user_id: str) -> dict[str, int]:
 
 
 def _set_seat(seats: tuple[str | None, ...], index: int, holder: str | None) -> tuple[str | None, ...]:
-    return (*seats[:index], holder, *seats[index + 1:])
+    return (*seats[:index], holder, *seats[index + 1 :])
 
 
 def stamp(

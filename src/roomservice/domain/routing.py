@@ -11,6 +11,7 @@ class Target(StrEnum):
     ACTIVITY = "activity"  # activity service (gRPC or activity consumer)
     NOTICE = "notice"  # C2C private notice, broker only
     TREASURE_WAKEUP = "treasure_wakeup"  # schedule the delayed open
+    BROKER = "broker"  # mq/dual mode: one durable publish serves every consumer group (not routed per type)
 
 
 _ROUTES: dict[str, frozenset[Target]] = {

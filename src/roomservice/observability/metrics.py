@@ -64,9 +64,7 @@ OUTBOX_COMMIT_TO_DELIVERED_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
     registry=REGISTRY,
 )
-OUTBOX_BACKLOG = Gauge(
-    "room_outbox_rows", "Outbox rows by status (sampled)", ["status"], registry=REGISTRY
-)
+OUTBOX_BACKLOG = Gauge("room_outbox_rows", "Outbox rows by status (sampled)", ["status"], registry=REGISTRY)
 OUTBOX_OLDEST_PENDING_SECONDS = Gauge(
     "room_outbox_oldest_pending_age_seconds", "Age of the oldest pending row (sampled)", registry=REGISTRY
 )

@@ -23,8 +23,7 @@ class PublishMode(StrEnum):
     DUAL = "dual"
 
 
-# The broker is one target: one durable publish serves every consumer group.
-BROKER = "broker"
+BROKER = Target.BROKER.value
 IM = Target.IM.value
 ACTIVITY = Target.ACTIVITY.value
 TREASURE_WAKEUP = Target.TREASURE_WAKEUP.value

@@ -43,9 +43,7 @@ class OutboxRepository(Protocol):
         """
         ...
 
-    async def finish(
-        self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]
-    ) -> int:
+    async def finish(self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]) -> int:
         """Finish rows in one transaction, each write guarded by the claim. Returns rows changed."""
         ...
 

@@ -2,7 +2,7 @@
 
 Delivered outbox rows (and fired treasure timers) older than ``delivered_retention``
 go; failed rows are dead letters and are kept until an operator replays them. Only
-the process holding the repository's maintenance lock sweeps.
+the process holding the maintenance lock sweeps.
 """
 
 from __future__ import annotations
@@ -11,17 +11,12 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from roomservice.leases.maintenance import MaintenanceLock
 from roomservice.observability.logging import get_logger
 
 _log = get_logger("roomservice.outbox")
 
 LOCK_NAME = "roomservice_outbox_retention"
-
-
-class MaintenanceLock(Protocol):
-    async def try_maintenance_lock(self, name: str) -> bool: ...
-
-    async def release_maintenance_lock(self, name: str) -> None: ...
 
 
 class Purge(Protocol):
@@ -50,7 +45,7 @@ class RetentionSweeper:
 
     async def sweep(self) -> int:
         """Run every purge batch by batch; 0 when another process holds the lock."""
-        if not await self.lock.try_maintenance_lock(LOCK_NAME):
+        if not await self.lock.try_acquire(LOCK_NAME):
             return 0
         deleted = 0
         try:
@@ -63,7 +58,7 @@ class RetentionSweeper:
                         break
                     await asyncio.sleep(0)  # let commands in between batches
         finally:
-            await self.lock.release_maintenance_lock(LOCK_NAME)
+            await self.lock.release(LOCK_NAME)
         if deleted:
             _log.info("outbox_retention_swept", deleted=deleted, retention_ms=self.retention_ms)
         return deleted

@@ -27,15 +27,12 @@ Every finishing write is guarded by the claim (``status = 'delivering' AND
 lock_owner = :owner``): a worker whose lock expired and was taken over changes
 nothing, and the returned row counts say so.
 
-Retention runs in one process at a time: :meth:`try_maintenance_lock` is a
-``GET_LOCK`` held on a dedicated connection on MySQL/MariaDB, and a
-process-local lock on SQLite (see there why that is enough).
+Retention runs in one process at a time, under
+:class:`roomservice.leases.maintenance.DatabaseMaintenanceLock`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -54,18 +51,14 @@ from sqlalchemy import (
     union_all,
     update,
 )
-from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from roomservice.outbox.model import ClaimedRow, Status, parse_targets
 from roomservice.outbox.repository import Delivered, RetryDecision
 from roomservice.store.database import Database
-from roomservice.store.port import StoreUnavailable
 from roomservice.store.tables import room_outbox
 
 LAST_ERROR_MAX_CHARS: Final = 2000
 # MySQL refuses user-lock names longer than 64 characters.
-_MYSQL_LOCK_NAME_MAX: Final = 64
 
 _o = room_outbox
 _c = room_outbox.c
@@ -202,8 +195,8 @@ _RELEASE_VALUES: Final = {
 _RELEASE: Final = update(_o).where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS).values(_RELEASE_VALUES)
 # Shutdown: everything this owner still holds, including a claim that committed as the
 # worker was being cancelled (its ids never reached the worker).
-_RELEASE_OWNED: Final = update(_o).where(_c.status == _DELIVERING, _c.lock_owner == bindparam("b_owner")).values(
-    _RELEASE_VALUES
+_RELEASE_OWNED: Final = (
+    update(_o).where(_c.status == _DELIVERING, _c.lock_owner == bindparam("b_owner")).values(_RELEASE_VALUES)
 )
 # Rows claimed but not attempted (beyond a room's lane): back of the queue, so one busy
 # room cannot keep taking the head of every claim.
@@ -243,12 +236,8 @@ _MYSQL_DELETE_PUBLISHED: Final = text(
     "AND COALESCE(delivered_at_ms, updated_at_ms) < :b_before ORDER BY id LIMIT :b_limit"
 )
 
-_GET_LOCK: Final = text("SELECT GET_LOCK(:name, 0)")
-_RELEASE_LOCK: Final = text("SELECT RELEASE_LOCK(:name)")
 
 # SQLite maintenance locks held in this process: (database URL, lock name).
-_LOCAL_LOCKS: set[tuple[str, str]] = set()
-_LOCAL_LOCKS_GUARD = threading.Lock()
 
 
 # --------------------------------------------------------------------------- repository
@@ -259,7 +248,6 @@ class SqlOutboxRepository:
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self._held: dict[str, AsyncConnection] = {}
 
     async def claim_due(
         self, *, owner: str, now_ms: int, lock_ms: int, limit: int, pending_only: bool = False
@@ -343,72 +331,6 @@ class SqlOutboxRepository:
             else (_MYSQL_DELETE_DELIVERED, _MYSQL_DELETE_PUBLISHED)
         )
         return await self.db.run_write(_delete_delivered, statements, before_ms, limit)
-
-    async def try_maintenance_lock(self, name: str) -> bool:
-        """Take the named maintenance lock unless someone (this repository included) holds it.
-
-        MySQL/MariaDB: ``GET_LOCK`` (no wait) on a dedicated connection kept
-        until :meth:`release_maintenance_lock`; the server drops the lock if
-        that session dies, so a crashed process never blocks retention.
-        The lock is server-wide, so its name includes the database name.
-
-        SQLite: a process-local lock. Nothing stronger is needed: every delete
-        batch is its own ``BEGIN IMMEDIATE`` transaction and SQLite runs one
-        writer at a time, so two processes deleting at once only take turns
-        on disjoint batches (a batch picks its ids inside its transaction);
-        the worst case is wasted work, never a wrong delete.
-        """
-        if self.db.is_sqlite:
-            key = (str(self.db.engine.url), name)
-            with _LOCAL_LOCKS_GUARD:
-                if key in _LOCAL_LOCKS:
-                    return False
-                _LOCAL_LOCKS.add(key)
-            return True
-        if name in self._held:
-            return False
-        try:
-            conn = await self.db.engine.connect()
-        except (OperationalError, InterfaceError) as exc:
-            raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}") from exc
-        try:
-            # No transaction left open while the lock is held.
-            await conn.execution_options(isolation_level="AUTOCOMMIT")
-            got = await conn.scalar(_GET_LOCK, {"name": self._server_lock_name(name)})
-        except BaseException as exc:
-            await conn.invalidate()
-            await conn.close()
-            if isinstance(exc, OperationalError | InterfaceError):
-                raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}") from exc
-            raise
-        if got != 1:
-            await conn.close()
-            return False
-        self._held[name] = conn
-        return True
-
-    async def release_maintenance_lock(self, name: str) -> None:
-        """Give the lock back; a no-op unless this repository holds it."""
-        if self.db.is_sqlite:
-            with _LOCAL_LOCKS_GUARD:
-                _LOCAL_LOCKS.discard((str(self.db.engine.url), name))
-            return
-        conn = self._held.pop(name, None)
-        if conn is None:
-            return
-        try:
-            await conn.scalar(_RELEASE_LOCK, {"name": self._server_lock_name(name)})
-        except (OperationalError, InterfaceError):
-            # The session is gone or unusable; the server drops its locks with it.
-            await conn.invalidate()
-        finally:
-            await conn.close()
-
-    def _server_lock_name(self, name: str) -> str:
-        full = f"roomservice:{self.db.engine.url.database}:{name}"
-        if len(full) <= _MYSQL_LOCK_NAME_MAX:
-            return full
-        return "roomservice:" + hashlib.sha256(full.encode()).hexdigest()[:40]
 
 
 # --------------------------------------------------------------------------- transaction units

@@ -33,8 +33,8 @@ from roomservice.observability.metrics import (
 )
 from roomservice.outbox.model import ClaimedRow, Outcome, PublishMode, format_targets, required_targets
 from roomservice.outbox.policy import RetryPolicy
-from roomservice.outbox.publisher import PublishError, PublisherSet
 from roomservice.outbox.repository import Delivered, OutboxRepository, RetryDecision
+from roomservice.publishers.port import PublishError, PublisherSet
 from roomservice.wire import decode_event
 
 _log = get_logger("roomservice.outbox")

@@ -29,8 +29,9 @@ import grpc
 import grpc.aio
 
 from roomservice.domain.events import Event
-from roomservice.outbox.publisher import PermanentError, RetryableError
+from roomservice.domain.routing import Target
 from roomservice.proto import activity_pb2 as apb
+from roomservice.publishers.port import PermanentError, RetryableError
 
 HANDLE_ROOM_EVENT: Final = "/roomservice.activity.v1.ActivityService/HandleRoomEvent"
 
@@ -64,7 +65,7 @@ def _identity(payload: bytes) -> bytes:
 class ActivityPublisher:
     """The ``activity`` target of the outbox worker in direct/dual mode."""
 
-    name = "activity"
+    name = Target.ACTIVITY.value
 
     def __init__(self, target: str, *, options: Sequence[tuple[str, Any]] = DEFAULT_CHANNEL_OPTIONS) -> None:
         if not target or not target.strip():

@@ -24,6 +24,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from roomservice.domain import events as e
+from roomservice.domain.routing import Target
 from roomservice.integrations.tencent_im import errors as im_errors
 from roomservice.integrations.tencent_im.client import (
     TencentImClient,
@@ -32,7 +33,7 @@ from roomservice.integrations.tencent_im.client import (
     random_for,
 )
 from roomservice.observability.logging import get_logger
-from roomservice.outbox.publisher import PermanentError, RetryableError
+from roomservice.publishers.port import PermanentError, RetryableError
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 
@@ -94,7 +95,7 @@ def message_data(event: e.Event) -> str:
 
 
 class TencentImPublisher:
-    name = "im"
+    name = Target.IM.value
 
     def __init__(self, client: TencentImClient, steps: SentSteps, *, group_type: str = AVCHATROOM) -> None:
         self.client = client

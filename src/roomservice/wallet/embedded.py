@@ -116,9 +116,7 @@ class EmbeddedWallet:
 
     @staticmethod
     async def _get(conn: AsyncConnection, key: str) -> Debit | None:
-        row = (
-            await conn.execute(sa.select(t.wallet_debit).where(t.wallet_debit.c.debit_key == key))
-        ).one_or_none()
+        row = (await conn.execute(sa.select(t.wallet_debit).where(t.wallet_debit.c.debit_key == key))).one_or_none()
         if row is None:
             return None
         return Debit(row.debit_key, row.app_code, row.user_id, int(row.amount), row.status)

@@ -63,4 +63,4 @@ def test_touches():
 
 
 def test_target_values_are_stable_strings():
-    assert {t.value for t in Target} == {"im", "activity", "notice", "treasure_wakeup"}
+    assert {t.value for t in Target} == {"im", "activity", "notice", "treasure_wakeup", "broker"}

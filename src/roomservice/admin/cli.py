@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
@@ -36,8 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from roomservice import errors
-from roomservice.durations import format_duration
-from roomservice.outbox.admin import (
+from roomservice.admin.operations import (
     LEGACY_STATUSES,
     OutboxAdmin,
     OutboxFilter,
@@ -46,6 +44,9 @@ from roomservice.outbox.admin import (
     OutboxStats,
     ReplayReport,
 )
+from roomservice.cli.options import ConfigOpt, DataDirOpt, settings_from_options
+from roomservice.clock import wall_clock_ms
+from roomservice.durations import format_duration
 
 T = TypeVar("T")
 
@@ -53,11 +54,6 @@ outbox_app = typer.Typer(
     help="Outbox dead letters: stats, list, show and replay rows of room_outbox.", no_args_is_help=True
 )
 
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="YAML config file (default: the packaged configs/local.yaml)."),
-]
-DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where the embedded mode keeps its files.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 StatusOpt = Annotated[
     list[str] | None,
@@ -85,27 +81,22 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 def _actor() -> str:
     return os.environ.get("USER", "cli") or "cli"
 
 
 def _run(config: Path | None, data_dir: Path, work: Callable[[OutboxAdmin], Awaitable[T]]) -> T:
     """Open the configured database, run ``work`` against an :class:`OutboxAdmin`, close it."""
-    from roomservice.cli import _settings  # lazy: cli.py imports this module
     from roomservice.config import ConfigError
     from roomservice.store.migrate import opened_database
     from roomservice.store.port import StoreUnavailable
 
-    settings = _settings(config, data_dir.expanduser().resolve())
+    settings = settings_from_options(config, data_dir.expanduser().resolve())
 
     async def main() -> T:
         url = settings.database.connect_url()
         async with opened_database(url, migrate=settings.database.auto_migrate, pool_size=2, max_overflow=2) as db:
-            return await work(OutboxAdmin(db, clock=_now_ms))
+            return await work(OutboxAdmin(db, clock=wall_clock_ms))
 
     try:
         return asyncio.run(main())

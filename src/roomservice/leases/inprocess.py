@@ -1,44 +1,11 @@
-"""The lease port: who owns a room's cell right now.
-
-A lease alone is not enough to stop a paused process from writing after it
-lost ownership, so every lease comes with a fencing epoch that the store bumps
-durably when the lease is taken (``RoomStore.take_lease_epoch``) and that
-SaveMutation checks. This module holds the port and the in-process adapter for
-the embedded mode; the Redis adapter implements the same port.
-"""
+"""The in-process lease adapter: one process owns every room (the embedded mode)."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
-
-class LeaseUnavailable(Exception):
-    """Another process holds the room's lease; the command answers ``503 retry``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    app_code: str
-    room_id: str
-    token: str
-    expires_at: float  # time.monotonic() deadline; inf for leases that never expire
-
-
-class LeaseManager(Protocol):
-    async def acquire(self, app_code: str, room_id: str) -> Lease:
-        """Take the room's lease or raise :class:`LeaseUnavailable`."""
-        ...
-
-    async def ensure(self, lease: Lease) -> Lease:
-        """Return ``lease`` (renewed if close to expiry) or raise LeaseUnavailable if it was lost."""
-        ...
-
-    async def release(self, lease: Lease) -> None:
-        """Give the lease up (best effort)."""
-        ...
+from roomservice.leases.port import Lease, LeaseUnavailable
 
 
 class InProcessLeases:

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from roomservice.outbox.admin import MAX_LIST_LIMIT, OutboxAdmin, OutboxFilter
+from roomservice.admin.operations import MAX_LIST_LIMIT, OutboxAdmin, OutboxFilter
 
 ACTOR = "admin-api"
 MAX_REPLAY_IDS = 1000
@@ -66,8 +66,6 @@ class ReplayBody(BaseModel):
         if (self.event_ids is None) == (self.filter is None):
             raise ValueError("give exactly one of event_ids or filter")
         return self
-
-
 
 
 def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None]]) -> APIRouter:

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 from pathlib import Path
 from typing import Annotated
 
 import typer
 import uvicorn
 
-from roomservice.config import ConfigError, Settings, load_settings
-from roomservice.outbox.admin_cli import outbox_app
+from roomservice.admin.cli import outbox_app
+from roomservice.cli.options import ConfigOpt, DataDirOpt, admin_token, settings_from_options
+from roomservice.config import Settings
 
 app = typer.Typer(help="room-service: live voice-chat rooms with a transactional outbox.", no_args_is_help=True)
 db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
@@ -31,39 +31,6 @@ app.add_typer(db_app, name="db")
 app.add_typer(outbox_app, name="outbox")
 activity_app = typer.Typer(help="The reference activity service (gRPC).", no_args_is_help=True)
 app.add_typer(activity_app, name="activity")
-
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help="YAML config file (default: the packaged configs/local.yaml)."),
-]
-DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where the embedded mode keeps its files.")]
-
-
-def _settings(config: Path | None, data_dir: Path) -> Settings:
-    if config is not None and not config.is_file():
-        raise typer.BadParameter(f"no such file: {config}", param_hint="--config")
-    try:
-        return load_settings(config).with_data_dir(data_dir)
-    except ConfigError as exc:
-        typer.echo(f"config error: {exc}", err=True)
-        raise typer.Exit(2) from exc
-
-
-def admin_token(settings: Settings, data_dir: Path) -> str:
-    """The configured token, else the one in ``<data-dir>/admin-token``, generated on first start."""
-    configured = settings.admin.token.get_secret_value()
-    if configured:
-        return configured
-    path = data_dir / "admin-token"
-    if path.is_file():
-        token = path.read_text().strip()
-        if token:
-            return token
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
 
 
 @app.command()
@@ -76,7 +43,7 @@ def serve(
     """Run the HTTP API with Room Cells and every in-process part the config enables."""
     data_dir = data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    settings = _settings(config, data_dir)
+    settings = settings_from_options(config, data_dir)
     from roomservice.observability.logging import configure_logging
 
     configure_logging(level=settings.logging.level, json=settings.logging.json)
@@ -130,7 +97,7 @@ def worker(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None
     """
     data_dir = data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    settings = _settings(config, data_dir)
+    settings = settings_from_options(config, data_dir)
     if not settings.outbox_worker.enabled:
         typer.echo("config error: outbox_worker.enabled is false; nothing to run", err=True)
         raise typer.Exit(2)
@@ -172,7 +139,7 @@ def activity_serve(
     """
     data_dir = data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    settings = _settings(config, data_dir)
+    settings = settings_from_options(config, data_dir)
     target_host, _, target_port = settings.activity.target.rpartition(":")
     if host is None:
         host = target_host.strip("[]") or "127.0.0.1"
@@ -281,7 +248,7 @@ def db_upgrade(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> 
 
     data_dir = data_dir.expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    settings = _settings(config, data_dir)
+    settings = settings_from_options(config, data_dir)
     upgrade_url(settings.database.connect_url())
     typer.echo("database is up to date")
 

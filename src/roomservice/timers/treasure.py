@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from sqlalchemy import BigInteger, Connection, Executable, Select, and_, bindparam, delete, func, or_, select, update
 from sqlalchemy.sql.elements import BindParameter
@@ -58,7 +58,7 @@ from roomservice.store.database import Database
 from roomservice.store.port import StoreUnavailable
 from roomservice.store.tables import treasure_timer
 
-_log = get_logger("roomservice.outbox.treasure")
+_log = get_logger("roomservice.timers.treasure")
 
 SCHEDULED: Final = "scheduled"
 FIRED: Final = "fired"
@@ -71,16 +71,6 @@ _MIN_SLEEP_S: Final = 0.01
 
 Opener = Callable[[str, str, str, OpenTreasure], Awaitable[object]]
 """``opener(app_code, room_id, command_id, OpenTreasure(...))``: in production ``RoomService.execute``."""
-
-
-class TreasureScheduler(Protocol):
-    """Where the outbox worker sends ``RoomTreasureCountdownStarted``.
-
-    ``schedule`` is idempotent per (app_code, room_id, box_id); once it returns,
-    the wake-up is durable (the worker then records the target as done).
-    """
-
-    async def schedule(self, event: Event) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

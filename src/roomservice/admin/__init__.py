@@ -1,0 +1,1 @@
+"""Operator tools: outbox dead-letter operations, their HTTP routes and their CLI."""

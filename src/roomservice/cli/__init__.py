@@ -1,0 +1,1 @@
+"""``room-service``: the command line (``main`` holds the Typer app; ``options`` what every subcommand shares)."""

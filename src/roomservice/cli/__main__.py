@@ -1,0 +1,5 @@
+"""``python -m roomservice.cli``."""
+
+from roomservice.cli.main import main
+
+main()

@@ -1,0 +1,55 @@
+"""The publisher port: one named target, one event per call, errors that say whether to retry.
+
+    PublishError
+    ├── RetryableError   the target may accept it later (timeout, outage, throttling)
+    └── PermanentError   it never will (rejected payload, invalid argument): dead letter now
+
+A :class:`PublisherSet` holds one publisher per target name (``im``,
+``activity``, ``broker``, ``treasure_wakeup``); which of them a row needs is
+decided by :func:`roomservice.outbox.model.required_targets` from the routing
+table and the publish mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from roomservice.domain.events import Event
+
+
+class PublishError(Exception):
+    retryable: bool = True
+
+
+class RetryableError(PublishError):
+    retryable = True
+
+
+class PermanentError(PublishError):
+    retryable = False
+
+
+class Publisher(Protocol):
+    name: str
+
+    async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+        """Deliver ``event`` (``payload`` is its protobuf envelope) before ``deadline``
+        (``loop.time()`` seconds); raise :class:`PublishError` when it was not delivered.
+        Delivering twice must be harmless: consumers deduplicate by event_id."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherSet:
+    """The publishers of this process, by target name."""
+
+    publishers: Mapping[str, Publisher] = field(default_factory=dict)
+
+    def get(self, target: str) -> Publisher | None:
+        return self.publishers.get(target)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.publishers)

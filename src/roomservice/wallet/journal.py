@@ -1,0 +1,83 @@
+"""The debit journal: the room service's durable record of the debits it asked the wallet for.
+
+A gift journals its debit key before asking the wallet; a committed command
+claims it (the entry leaves the journal); reconciliation refunds the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+import sqlalchemy as sa
+
+from roomservice.store import tables as t
+from roomservice.store.database import Database, insert_or_ignore
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    debit_key: str
+    app_code: str
+    room_id: str
+    command_id: str
+    user_id: str
+    amount: int
+    created_at_ms: int
+
+
+class DebitJournal:
+    """The room service's durable record of the debits it asked the wallet for."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    async def record(self, entry: JournalEntry) -> None:
+        """Journal a debit about to be asked for; a retry of the same command restarts its
+        clock, so reconciliation never refunds a debit whose command is still being tried."""
+        await self._db.run_write(_record, entry)
+
+    async def forget(self, debit_key: str) -> None:
+        async with self._db.write() as conn:
+            await conn.execute(sa.delete(t.wallet_pending_debit).where(t.wallet_pending_debit.c.debit_key == debit_key))
+
+    async def older_than(self, before_ms: int, *, limit: int) -> list[JournalEntry]:
+        async with self._db.read() as conn:
+            rows = (
+                await conn.execute(
+                    sa.select(t.wallet_pending_debit)
+                    .where(t.wallet_pending_debit.c.created_at_ms < before_ms)
+                    .order_by(t.wallet_pending_debit.c.created_at_ms)
+                    .limit(limit)
+                )
+            ).all()
+        return [
+            JournalEntry(
+                r.debit_key, r.app_code, r.room_id, r.command_id, r.user_id, int(r.amount), int(r.created_at_ms)
+            )
+            for r in rows
+        ]
+
+
+_TOUCH: Final = (
+    sa.update(t.wallet_pending_debit)
+    .where(t.wallet_pending_debit.c.debit_key == sa.bindparam("b_key"))
+    .values(created_at_ms=sa.bindparam("b_now"))
+)
+_INSERT: Final = insert_or_ignore(t.wallet_pending_debit)
+
+
+def _record(conn: sa.Connection, entry: JournalEntry) -> None:
+    if conn.execute(_TOUCH, {"b_key": entry.debit_key, "b_now": entry.created_at_ms}).rowcount == 0:
+        conn.execute(
+            _INSERT,
+            {
+                "debit_key": entry.debit_key,
+                "app_code": entry.app_code,
+                "room_id": entry.room_id,
+                "command_id": entry.command_id,
+                "user_id": entry.user_id,
+                "amount": entry.amount,
+                "created_at_ms": entry.created_at_ms,
+            },
+        )
