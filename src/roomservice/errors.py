@@ -1,28 +1,40 @@
-"""The one exception tree of the service; every error knows its HTTP status and code.
+"""The one exception tree of the service: every error has a ``code`` and says whether it is ``retryable``.
 
-    RoomServiceError                 status, code, message
-    ├── InvalidArgument              400 invalid_argument
-    ├── UnknownGift                  400 unknown_gift
-    ├── Unauthorized                 401 unauthorized
-    ├── InsufficientBalance          402 insufficient_balance
-    ├── NotMember                    403 not_member
-    ├── NotAllowed                   403 not_allowed
-    ├── UserBanned                   403 user_banned
-    ├── RoomNotFound                 404 room_not_found
-    ├── NotFound                     404 not_found
-    ├── MethodNotAllowed             405 method_not_allowed
-    ├── RoomExists                   409 room_exists
-    ├── SeatTaken                    409 seat_taken
-    ├── RoomClosed                   409 room_closed
-    ├── CommandIdReused              409 command_id_reused
-    ├── TreasureTooEarly             409 too_early        (internal: wake-up before open_at_ms)
-    ├── PayloadTooLarge              413 payload_too_large
-    ├── Unavailable                  503 unavailable      (a dependency is down; retry is safe)
-    └── Retry                        503 retry            (lost a lease or version race; retry is safe)
+    RoomServiceError                     code, retryable, message
+    ├── DomainError                      a command broke a room rule; nothing was written
+    │   ├── InvalidArgument              invalid_argument
+    │   ├── UnknownGift                  unknown_gift
+    │   ├── InsufficientBalance          insufficient_balance
+    │   ├── NotMember                    not_member
+    │   ├── NotAllowed                   not_allowed
+    │   ├── UserBanned                   user_banned
+    │   ├── RoomNotFound                 room_not_found
+    │   ├── RoomExists                   room_exists
+    │   ├── SeatTaken                    seat_taken
+    │   ├── RoomClosed                   room_closed
+    │   └── TreasureTooEarly             too_early        (internal: wake-up before open_at_ms; retryable)
+    ├── CommandIdReused                  command_id_reused
+    ├── RequestError                     the request itself is wrong (the entrypoints raise these)
+    │   ├── Unauthorized                 unauthorized
+    │   ├── NotFound                     not_found
+    │   ├── MethodNotAllowed             method_not_allowed
+    │   └── PayloadTooLarge              payload_too_large
+    ├── Unavailable                      unavailable      a dependency is down; retryable
+    │   ├── StoreUnavailable             (store.port)     the database did not answer; a write's outcome is unknown
+    │   └── WalletUnavailable            (wallet.port)    the wallet did not answer; the debit may have happened
+    ├── Retry                            retry            lost a lease or version race; retryable
+    │   ├── StoreConflict                (store.port)     SaveMutation's guard did not match
+    │   │   └── CommandIdTaken           (store.port)     another writer logged the command_id first
+    │   └── LeaseUnavailable             (leases.port)    another process holds the room, or the lease was lost
+    ├── WalletError                      (wallet.port)    InsufficientFunds, DebitKeyConflict: definitive answers
+    └── PublishError                     (publishers.port) a delivery target did not take an event
+        ├── RetryableError               publish_retryable  timeout, outage, throttling: retry with backoff
+        └── PermanentError               publish_rejected   it never will: dead letter now
 
-Domain rule violations (the 4xx codes a ``decide`` call can raise) subclass
-:class:`DomainError` as well, so the pure domain can raise them without
-knowing about HTTP.
+Nothing here knows about HTTP: ``roomservice.api.errors`` maps codes to status
+codes, and the gRPC API will map them to gRPC statuses. Client errors of an
+integration (``ImError`` of the Tencent IM client, with Tencent's numeric
+codes) are translated into this tree at the adapter that uses them.
 """
 
 from __future__ import annotations
@@ -31,8 +43,8 @@ from typing import ClassVar
 
 
 class RoomServiceError(Exception):
-    status: ClassVar[int] = 500
     code: ClassVar[str] = "internal"
+    retryable: ClassVar[bool] = False
     default_message: ClassVar[str] = "internal error"
 
     def __init__(self, message: str | None = None) -> None:
@@ -48,80 +60,83 @@ class DomainError(RoomServiceError):
 
 
 class InvalidArgument(DomainError):
-    status, code, default_message = 400, "invalid_argument", "invalid argument"
+    code, default_message = "invalid_argument", "invalid argument"
 
 
 class UnknownGift(DomainError):
-    status, code, default_message = 400, "unknown_gift", "gift is not in the catalog"
-
-
-class Unauthorized(RoomServiceError):
-    status, code, default_message = 401, "unauthorized", "a valid admin token is required"
+    code, default_message = "unknown_gift", "gift is not in the catalog"
 
 
 class InsufficientBalance(DomainError):
-    status, code, default_message = 402, "insufficient_balance", "wallet balance is too low"
+    code, default_message = "insufficient_balance", "wallet balance is too low"
 
 
 class NotMember(DomainError):
-    status, code, default_message = 403, "not_member", "user is not a member of the room"
+    code, default_message = "not_member", "user is not a member of the room"
 
 
 class NotAllowed(DomainError):
-    status, code, default_message = 403, "not_allowed", "operation not allowed"
+    code, default_message = "not_allowed", "operation not allowed"
 
 
 class UserBanned(DomainError):
-    status, code, default_message = 403, "user_banned", "user is banned from the room"
+    code, default_message = "user_banned", "user is banned from the room"
 
 
 class RoomNotFound(DomainError):
-    status, code, default_message = 404, "room_not_found", "room not found"
-
-
-class NotFound(RoomServiceError):
-    status, code, default_message = 404, "not_found", "no such route"
-
-
-class MethodNotAllowed(RoomServiceError):
-    status, code, default_message = 405, "method_not_allowed", "method not allowed"
+    code, default_message = "room_not_found", "room not found"
 
 
 class RoomExists(DomainError):
-    status, code, default_message = 409, "room_exists", "room id already used"
+    code, default_message = "room_exists", "room id already used"
 
 
 class SeatTaken(DomainError):
-    status, code, default_message = 409, "seat_taken", "seat is held by another user"
+    code, default_message = "seat_taken", "seat is held by another user"
 
 
 class RoomClosed(DomainError):
-    status, code, default_message = 409, "room_closed", "room is closed"
-
-
-class CommandIdReused(RoomServiceError):
-    status, code, default_message = (
-        409,
-        "command_id_reused",
-        "command_id was already used with a different payload",
-    )
+    code, default_message = "room_closed", "room is closed"
 
 
 class TreasureTooEarly(DomainError):
-    status, code, default_message = 409, "too_early", "treasure box cannot open yet"
+    code, default_message = "too_early", "treasure box cannot open yet"
+    retryable = True  # the wake-up path retries at open_at_ms
 
     def __init__(self, open_at_ms: int, message: str | None = None) -> None:
         super().__init__(message)
         self.open_at_ms = open_at_ms
 
 
-class PayloadTooLarge(RoomServiceError):
-    status, code, default_message = 413, "payload_too_large", "request body too large"
+class CommandIdReused(RoomServiceError):
+    code, default_message = "command_id_reused", "command_id was already used with a different payload"
+
+
+class RequestError(RoomServiceError):
+    """The request itself is wrong: raised by the entrypoints, never by the domain."""
+
+
+class Unauthorized(RequestError):
+    code, default_message = "unauthorized", "a valid admin token is required"
+
+
+class NotFound(RequestError):
+    code, default_message = "not_found", "no such route"
+
+
+class MethodNotAllowed(RequestError):
+    code, default_message = "method_not_allowed", "method not allowed"
+
+
+class PayloadTooLarge(RequestError):
+    code, default_message = "payload_too_large", "request body too large"
 
 
 class Unavailable(RoomServiceError):
-    status, code, default_message = 503, "unavailable", "a dependency is unavailable; retry"
+    code, default_message = "unavailable", "a dependency is unavailable; retry"
+    retryable = True
 
 
 class Retry(RoomServiceError):
-    status, code, default_message = 503, "retry", "lost a lease or version race; retry"
+    code, default_message = "retry", "lost a lease or version race; retry"
+    retryable = True

@@ -28,7 +28,7 @@ from roomservice.domain.state import RoomState
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import current_revision, head_revision, upgrade
-from roomservice.store.port import CommandIdTaken, Mutation, StoreConflict
+from roomservice.store.port import CommandIdTaken, Mutation, StoreConflict, StoreInconsistent
 from roomservice.store.sql import SqlRoomStore
 
 APP = "app_1"
@@ -423,7 +423,7 @@ async def test_load_refuses_a_room_whose_log_is_missing_rows(database: Database,
     m = await room.run(c.JoinRoom(user_id="alice"))
     async with database.write() as conn:
         await conn.execute(sa.delete(t.room_command_log).where(t.room_command_log.c.command_id == m.command_id))
-    with pytest.raises(RuntimeError, match="room_meta says 2"):
+    with pytest.raises(StoreInconsistent, match="room_meta says 2"):
         await room.store.load_room(APP, ROOM)
 
 

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from roomservice import errors
 from roomservice.api import schemas as s
 from roomservice.api.body_limit import BodyLimit
+from roomservice.api.errors import error_response
 from roomservice.domain import limits as lim
 from roomservice.health import HealthChecks
 from roomservice.observability.logging import get_logger
@@ -45,7 +46,7 @@ class ApiContext:
 
 
 def _error(exc: errors.RoomServiceError) -> JSONResponse:
-    return JSONResponse(exc.to_body(), status_code=exc.status)
+    return error_response(exc)
 
 
 def _describe_validation(exc: RequestValidationError) -> str:

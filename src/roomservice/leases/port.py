@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from roomservice import errors
 
-class LeaseUnavailable(Exception):
+
+class LeaseUnavailable(errors.Retry):
     """Another process holds the room's lease; the command answers ``503 retry``."""
 
 

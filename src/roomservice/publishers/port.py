@@ -16,18 +16,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from roomservice import errors
 from roomservice.domain.events import Event
 
 
-class PublishError(Exception):
-    retryable: bool = True
+class PublishError(errors.RoomServiceError):
+    """A target did not take the event; ``retryable`` says whether a later attempt may succeed."""
+
+    code = "publish_failed"
+    retryable = True
 
 
 class RetryableError(PublishError):
+    code = "publish_retryable"
     retryable = True
 
 
 class PermanentError(PublishError):
+    code = "publish_rejected"
     retryable = False
 
 

@@ -10,23 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from roomservice import errors
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
 
 
-class StoreConflict(Exception):
+class StoreConflict(errors.Retry):
     """SaveMutation lost a race: the stored version or lease epoch moved on.
 
     The command was not written; the caller answers ``503 retry`` and reloads.
     """
 
 
-class StoreUnavailable(Exception):
+class StoreUnavailable(errors.Unavailable):
     """The database did not answer (connection lost, pool exhausted, deadlock).
 
     For a write the outcome is unknown: it may have committed. The caller
     answers ``503 unavailable`` and reloads the room before trusting its state.
     """
+
+
+class StoreInconsistent(errors.RoomServiceError):
+    """Rows that recovery depends on disagree (room_meta vs snapshot + log): refuse to serve the room."""
+
+    code = "store_inconsistent"
 
 
 class CommandIdTaken(StoreConflict):

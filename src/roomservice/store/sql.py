@@ -52,6 +52,7 @@ from roomservice.store.port import (
     Mutation,
     RoomSummary,
     StoreConflict,
+    StoreInconsistent,
     StoreUnavailable,
 )
 from roomservice.store.tables import (
@@ -247,7 +248,7 @@ class SqlRoomStore:
             # room_meta and the log are written in one transaction; a mismatch
             # means rows recovery depends on are gone. Refuse rather than serve
             # (and later overwrite) a wrong room.
-            raise RuntimeError(
+            raise StoreInconsistent(
                 f"room {app_code}/{room_id}: snapshot + command log give version "
                 f"{loaded_version}, room_meta says {meta_version}"
             )

@@ -116,7 +116,7 @@ def backoff_ms(attempts: int) -> int:
 def is_permanent(exc: BaseException) -> bool:
     """An answer that retrying can never change (4xx other than too-early)."""
     return (
-        isinstance(exc, errors.RoomServiceError) and not isinstance(exc, errors.TreasureTooEarly) and exc.status < 500
+        isinstance(exc, errors.RoomServiceError) and not exc.retryable
     )
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from roomservice import errors
 
-class WalletError(Exception):
-    pass
+
+class WalletError(errors.RoomServiceError):
+    code = "wallet_error"
 
 
 class InsufficientFunds(WalletError):
@@ -24,7 +26,7 @@ class DebitKeyConflict(WalletError):
     """The key was used for a different user or amount; nothing was debited."""
 
 
-class WalletUnavailable(WalletError):
+class WalletUnavailable(errors.Unavailable):
     """The wallet is down or did not answer in time; the debit may have happened."""
 
 

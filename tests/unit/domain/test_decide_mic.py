@@ -19,7 +19,7 @@ def test_take_mic_emits_mic_taken(open_room):
 def test_take_mic_by_a_non_member_is_not_member(open_room, user):
     with pytest.raises(errors.NotMember) as info:
         open_room.send(c.TakeMic(user_id=user, seat=0))
-    assert (info.value.status, info.value.code) == (403, "not_member")
+    assert info.value.code == "not_member"
     assert open_room.live.seats[0] is None
 
 
@@ -39,7 +39,7 @@ def test_take_mic_by_the_owner_after_leaving_is_not_member(open_room):
 def test_take_mic_seat_out_of_range_is_invalid_argument(open_room, seat):
     with pytest.raises(errors.InvalidArgument) as info:
         open_room.send(c.TakeMic(user_id="alice", seat=seat))
-    assert (info.value.status, info.value.code) == (400, "invalid_argument")
+    assert info.value.code == "invalid_argument"
     assert open_room.live.seat_of("alice") is None
 
 
@@ -56,7 +56,7 @@ def test_take_mic_on_a_seat_held_by_another_is_seat_taken(open_room):
     open_room.send(c.TakeMic(user_id="alice", seat=2))
     with pytest.raises(errors.SeatTaken) as info:
         open_room.send(c.TakeMic(user_id="bob", seat=2))
-    assert (info.value.status, info.value.code) == (409, "seat_taken")
+    assert info.value.code == "seat_taken"
     assert open_room.live.seats[2] == "alice"
     assert open_room.live.seat_of("bob") is None
 

@@ -49,7 +49,7 @@ def test_create_twice_is_room_exists(open_room):
     before = open_room.live
     with pytest.raises(errors.RoomExists) as info:
         open_room.send(c.CreateRoom(owner_id="someone", title="again"))
-    assert (info.value.status, info.value.code) == (409, "room_exists")
+    assert info.value.code == "room_exists"
     assert open_room.live == before
 
 
@@ -77,7 +77,7 @@ CLIENT_COMMANDS_ON_MISSING_ROOM = [
 def test_every_command_but_create_on_a_missing_room_is_room_not_found(room, command):
     with pytest.raises(errors.RoomNotFound) as info:
         room.send(command)
-    assert (info.value.status, info.value.code) == (404, "room_not_found")
+    assert info.value.code == "room_not_found"
     assert room.state is None
 
 
@@ -111,7 +111,7 @@ def test_every_client_command_after_close_is_room_closed(open_room, command):
     before = open_room.live
     with pytest.raises(errors.RoomClosed) as info:
         open_room.send(command)
-    assert (info.value.status, info.value.code) == (409, "room_closed")
+    assert info.value.code == "room_closed"
     assert open_room.live == before
 
 
@@ -144,7 +144,7 @@ def test_banned_user_cannot_join(open_room):
     open_room.advance(599_999)
     with pytest.raises(errors.UserBanned) as info:
         open_room.send(c.JoinRoom(user_id="alice"))
-    assert (info.value.status, info.value.code) == (403, "user_banned")
+    assert info.value.code == "user_banned"
     assert not open_room.live.is_member("alice")
 
 
