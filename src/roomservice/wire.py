@@ -25,6 +25,7 @@ def encode_event(event: e.Event) -> bytes:
         room_version=event.room_version,
         type=event.type,
         occurred_at_ms=event.occurred_at_ms,
+        repair_of=event.repair_of or "",
     )
     getattr(envelope, _FIELD_OF[event.type]).CopyFrom(getattr(pb, event.type)(**event.payload.to_dict()))
     data: bytes = envelope.SerializeToString()
@@ -46,4 +47,5 @@ def decode_event(data: bytes) -> e.Event:
         room_version=envelope.room_version,
         occurred_at_ms=envelope.occurred_at_ms,
         payload=cls(**values),
+        repair_of=envelope.repair_of or None,
     )

@@ -6,6 +6,7 @@ import asyncio
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -202,6 +203,52 @@ async def test_the_same_event_twice_applies_once(client: Client) -> None:
     assert len(await client.rewards()) == 2
 
 
+def repair_of(original: e.Event) -> e.Event:
+    """What ``outbox replay --as-repair`` sends: the original under a new event id, naming it."""
+    return replace(original, event_id=uuid.uuid4().hex, repair_of=original.event_id)
+
+
+async def test_a_repair_of_an_applied_event_is_a_duplicate(client: Client, database: Database) -> None:
+    original = gift("alice", "bob", 30)
+    assert await client.send(original) is False
+    repair = repair_of(original)
+    assert await client.send(repair) is True
+    assert await client.send(repair_of(original)) is True  # a second repair too
+    assert await client.board("sent") == [("alice", 30)]
+    assert await client.board("received") == [("bob", 30)]
+    assert not await ActivityStore(database).is_processed(repair.event_id)  # recorded as the original only
+
+
+async def test_a_repair_of_a_lost_event_applies_once_and_the_late_original_is_a_duplicate(
+    client: Client, database: Database
+) -> None:
+    original = gift("alice", "bob", 30)
+    assert await client.send(repair_of(original)) is False
+    assert await ActivityStore(database).is_processed(original.event_id)
+    assert await client.board("sent") == [("alice", 30)]
+    assert await client.send(original) is True
+    assert await client.board("sent") == [("alice", 30)]
+    assert await client.board("received") == [("bob", 30)]
+
+
+async def test_a_repaired_box_pays_once_under_the_original_event(client: Client) -> None:
+    original = event(e.RoomTreasureOpened("19675-2", 1, ("alice", "bob")))
+    assert await client.send(repair_of(original)) is False
+    assert await client.send(original) is True
+    assert sorted(await client.rewards("19675-2")) == [
+        ("19675-2", 1, "alice", original.event_id),
+        ("19675-2", 1, "bob", original.event_id),
+    ]
+
+
+async def test_concurrent_original_and_repair_apply_once(client: Client) -> None:
+    original = gift("alice", "bob", 30)
+    payloads = [encode_event(original), encode_event(repair_of(original))] * 5
+    replies = await asyncio.gather(*(client.send_bytes(p) for p in payloads))
+    assert sorted(r.duplicate for r in replies) == [False] + [True] * 9
+    assert await client.board("sent") == [("alice", 30)]
+
+
 async def test_a_duplicate_with_another_payload_changes_nothing(client: Client) -> None:
     original = gift("alice", "bob", 100)
     assert await client.send(original) is False
@@ -280,6 +327,8 @@ def envelope(**fields: Any) -> bytes:
         pytest.param(envelope(app_code="App!"), id="bad-app-code"),
         pytest.param(envelope(room_id=""), id="empty-room-id"),
         pytest.param(envelope(occurred_at_ms=-1), id="negative-time"),
+        pytest.param(envelope(repair_of="not an id"), id="bad-repair-of"),
+        pytest.param(envelope(event_id="same", repair_of="same"), id="repair-of-itself"),
         pytest.param(envelope(room_gift_sent=None), id="gift-without-payload"),
         pytest.param(
             envelope(room_gift_sent=epb.RoomGiftSent(sender_id="alice", receiver_id="bob", total_value=-5)),

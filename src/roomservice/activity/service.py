@@ -61,6 +61,8 @@ def event_from_wire(data: bytes) -> Event:
     except Exception as exc:  # DecodeError and friends: nothing in these bytes can be trusted
         raise InvalidEvent(f"undecodable room_outbox_event: {exc.__class__.__name__}") from exc
     _check(valid_id(event.event_id), "event_id", event.event_id)
+    if event.repair_of is not None:
+        _check(valid_id(event.repair_of) and event.repair_of != event.event_id, "repair_of", event.repair_of)
     _check(valid_app_code(event.app_code), "app_code", event.app_code)
     _check(valid_room_id(event.room_id), "room_id", event.room_id)
     _check(0 <= event.occurred_at_ms <= MAX_OCCURRED_AT_MS, "occurred_at_ms", event.occurred_at_ms)
@@ -104,7 +106,7 @@ class ActivityServicer:
         except Exception as exc:
             await _abort(context, exc, "HandleRoomEvent")
         if applied:
-            _log.debug("activity_event_applied", event_id=event.event_id, type=event.type)
+            _log.debug("activity_event_applied", event_id=event.event_id, repair_of=event.repair_of, type=event.type)
         return apb.HandleRoomEventReply(duplicate=not applied)
 
     async def GetGiftLeaderboard(

@@ -9,14 +9,20 @@ first transaction's row lock and then fails): the transaction is rolled back and
 the call reports a duplicate. So one event id has its effect exactly once, even
 under concurrent duplicates, on both backends.
 
+The id recorded is :func:`~roomservice.domain.events.dedup_id`: a repair event
+(``repair_of = X``, written by ``outbox replay --as-repair`` under a new
+event id) IS event X here. If X was applied the repair is a duplicate; if X
+never arrived the repair applies X's effect once, and X arriving later is the
+duplicate. So an operator's repair can never add a gift's points twice.
+
 Effects:
 
 * ``RoomGiftSent`` adds ``total_value`` to the UTC day's (``utc_day(occurred_at_ms)``)
   board ``sent`` of the sender and board ``received`` of the receiver (an upsert:
   ``ON CONFLICT DO UPDATE`` on SQLite, ``ON DUPLICATE KEY UPDATE`` on MySQL).
 * ``RoomTreasureOpened`` writes one reward row per recipient (``box_id``, ``level``,
-  ``event_id``); a box that already paid a recipient (a repair event with a new
-  event id) does not pay that recipient again.
+  ``event_id``: the original's for a repair); a box that already paid a recipient
+  does not pay that recipient again.
 * Any other known event type is recorded as processed, with no further effect.
 
 Statements are built once (per dialect, at construction); each operation is one
@@ -34,7 +40,7 @@ from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from roomservice.clock import wall_clock_ms
-from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened
+from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened, dedup_id
 from roomservice.domain.state import utc_day
 from roomservice.store.database import Database
 from roomservice.store.tables import activity_gift_board, activity_processed_event, activity_treasure_reward
@@ -110,12 +116,13 @@ class ActivityStore:
         self._insert_rewards = db.insert_ignoring_duplicates(_reward)
 
     async def handle(self, event: Event) -> bool:
-        """Record ``event`` and apply its effect once; ``False`` if its event_id was already processed.
+        """Record ``event`` and apply its effect once; ``False`` if its event (its original, for
+        a repair: :func:`dedup_id`) was already processed.
 
         Raises :class:`~roomservice.store.port.StoreUnavailable` when the database does not answer.
         """
         now = self.clock()
-        processed = {"event_id": event.event_id, "event_type": event.type, "processed_at_ms": now}
+        processed = {"event_id": dedup_id(event), "event_type": event.type, "processed_at_ms": now}
         board_rows = _board_rows(event, now)
         reward_rows = _reward_rows(event, now)
         try:
@@ -172,7 +179,7 @@ def _reward_rows(event: Event, now: int) -> list[dict[str, Any]]:
             "box_id": payload.box_id,
             "user_id": user_id,
             "level": payload.level,
-            "event_id": event.event_id,
+            "event_id": dedup_id(event),
             "created_at_ms": now,
         }
         for user_id in dict.fromkeys(payload.recipients)  # unique, in order

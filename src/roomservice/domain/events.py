@@ -126,7 +126,12 @@ def payload_from_dict(event_type: str, data: dict[str, Any]) -> EventPayload:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """The envelope: what the command log stores and every publisher sends."""
+    """The envelope: what the command log stores and every publisher sends.
+
+    ``repair_of`` is set only on a repair event (``outbox replay --as-repair``):
+    the original event's id. A repair is the original sent again under a new
+    ``event_id``, so whatever must take effect once keys on :func:`dedup_id`.
+    """
 
     event_id: str
     app_code: str
@@ -134,6 +139,7 @@ class Event:
     room_version: int
     occurred_at_ms: int
     payload: EventPayload
+    repair_of: str | None = None
 
     @property
     def type(self) -> str:
@@ -148,6 +154,7 @@ class Event:
             "type": self.type,
             "occurred_at_ms": self.occurred_at_ms,
             "payload": self.payload.to_dict(),
+            **({"repair_of": self.repair_of} if self.repair_of else {}),
         }
 
     @classmethod
@@ -159,4 +166,12 @@ class Event:
             room_version=data["room_version"],
             occurred_at_ms=data["occurred_at_ms"],
             payload=payload_from_dict(data["type"], data["payload"]),
+            repair_of=data.get("repair_of") or None,
         )
+
+
+def dedup_id(event: Event) -> str:
+    """The id an effect that must happen once is recorded under: the original's id for a
+    repair event (``repair_of``), else the event's own id. A repair and its original are
+    the same event to every such record, whichever of them arrives first."""
+    return event.repair_of or event.event_id

@@ -103,13 +103,14 @@ class RoomTreasureOpened(_message.Message):
     def __init__(self, box_id: _Optional[str] = ..., level: _Optional[int] = ..., recipients: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RoomOutboxEvent(_message.Message):
-    __slots__ = ("event_id", "app_code", "room_id", "room_version", "type", "occurred_at_ms", "room_created", "room_user_joined", "room_user_left", "room_mic_taken", "room_mic_left", "room_gift_sent", "room_user_kicked", "room_closed", "room_treasure_countdown_started", "room_treasure_opened")
+    __slots__ = ("event_id", "app_code", "room_id", "room_version", "type", "occurred_at_ms", "repair_of", "room_created", "room_user_joined", "room_user_left", "room_mic_taken", "room_mic_left", "room_gift_sent", "room_user_kicked", "room_closed", "room_treasure_countdown_started", "room_treasure_opened")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     APP_CODE_FIELD_NUMBER: _ClassVar[int]
     ROOM_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_VERSION_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     OCCURRED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_OF_FIELD_NUMBER: _ClassVar[int]
     ROOM_CREATED_FIELD_NUMBER: _ClassVar[int]
     ROOM_USER_JOINED_FIELD_NUMBER: _ClassVar[int]
     ROOM_USER_LEFT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +127,7 @@ class RoomOutboxEvent(_message.Message):
     room_version: int
     type: str
     occurred_at_ms: int
+    repair_of: str
     room_created: RoomCreated
     room_user_joined: RoomUserJoined
     room_user_left: RoomUserLeft
@@ -136,4 +138,4 @@ class RoomOutboxEvent(_message.Message):
     room_closed: RoomClosed
     room_treasure_countdown_started: RoomTreasureCountdownStarted
     room_treasure_opened: RoomTreasureOpened
-    def __init__(self, event_id: _Optional[str] = ..., app_code: _Optional[str] = ..., room_id: _Optional[str] = ..., room_version: _Optional[int] = ..., type: _Optional[str] = ..., occurred_at_ms: _Optional[int] = ..., room_created: _Optional[_Union[RoomCreated, _Mapping]] = ..., room_user_joined: _Optional[_Union[RoomUserJoined, _Mapping]] = ..., room_user_left: _Optional[_Union[RoomUserLeft, _Mapping]] = ..., room_mic_taken: _Optional[_Union[RoomMicTaken, _Mapping]] = ..., room_mic_left: _Optional[_Union[RoomMicLeft, _Mapping]] = ..., room_gift_sent: _Optional[_Union[RoomGiftSent, _Mapping]] = ..., room_user_kicked: _Optional[_Union[RoomUserKicked, _Mapping]] = ..., room_closed: _Optional[_Union[RoomClosed, _Mapping]] = ..., room_treasure_countdown_started: _Optional[_Union[RoomTreasureCountdownStarted, _Mapping]] = ..., room_treasure_opened: _Optional[_Union[RoomTreasureOpened, _Mapping]] = ...) -> None: ...
+    def __init__(self, event_id: _Optional[str] = ..., app_code: _Optional[str] = ..., room_id: _Optional[str] = ..., room_version: _Optional[int] = ..., type: _Optional[str] = ..., occurred_at_ms: _Optional[int] = ..., repair_of: _Optional[str] = ..., room_created: _Optional[_Union[RoomCreated, _Mapping]] = ..., room_user_joined: _Optional[_Union[RoomUserJoined, _Mapping]] = ..., room_user_left: _Optional[_Union[RoomUserLeft, _Mapping]] = ..., room_mic_taken: _Optional[_Union[RoomMicTaken, _Mapping]] = ..., room_mic_left: _Optional[_Union[RoomMicLeft, _Mapping]] = ..., room_gift_sent: _Optional[_Union[RoomGiftSent, _Mapping]] = ..., room_user_kicked: _Optional[_Union[RoomUserKicked, _Mapping]] = ..., room_closed: _Optional[_Union[RoomClosed, _Mapping]] = ..., room_treasure_countdown_started: _Optional[_Union[RoomTreasureCountdownStarted, _Mapping]] = ..., room_treasure_opened: _Optional[_Union[RoomTreasureOpened, _Mapping]] = ...) -> None: ...
