@@ -385,6 +385,7 @@ async def test_replay_as_repair_writes_a_new_event(admin: OutboxAdmin, database:
     assert outcome.result == "replayed"
     new_id = outcome.new_event_id
     assert new_id and new_id != "f-1" and len(new_id) == 32
+    assert outcome.targets == ("broker", "im")  # f-1 had reached activity: not sent there again
 
     original = await row_of(database, "f-1")
     assert original.status == "failed"
@@ -400,23 +401,28 @@ async def test_replay_as_repair_writes_a_new_event(admin: OutboxAdmin, database:
         3,
         "RoomGiftSent",
     )
-    assert (repair.retry_count, repair.replay_count, repair.targets_done) == (0, 0, "")
+    # the worker sends required - done: the target that succeeded for f-1 starts as done
+    assert (repair.retry_count, repair.replay_count, repair.targets_done) == (0, 0, "activity")
     assert repair.due_at_ms == repair.created_at_ms == T0 + 99
     assert repair.id > original.id
     decoded = wire.decode_event(repair.payload)
     assert decoded.event_id == new_id
+    assert decoded.repair_of == "f-1"
     assert decoded.payload == gift_event("f-1").payload
     assert decoded.occurred_at_ms == gift_event("f-1").occurred_at_ms
 
     (orig_audit,) = await audit_of(database, "f-1")
     assert orig_audit.action == "repair"
     assert json.loads(orig_audit.detail)["repair_event_id"] == new_id
+    assert json.loads(orig_audit.detail)["targets"] == ["broker", "im"]
     (new_audit,) = await audit_of(database, new_id)
     assert new_audit.action == "repair_of"
     assert json.loads(new_audit.detail)["original_event_id"] == "f-1"
+    assert json.loads(new_audit.detail)["targets_named"] is False
 
     shown = await admin.show(new_id)
     assert shown.event is not None and shown.event["event_id"] == new_id
+    assert shown.event["repair_of"] == "f-1"
     assert [a.action for a in shown.audit] == ["repair_of"]
 
 
@@ -427,6 +433,92 @@ async def test_repair_of_an_undecodable_payload_is_reported(admin: OutboxAdmin, 
     assert (await row_of(database, "poison")).status == "failed"
     plain = await admin.replay(["poison"], actor="ops")  # a plain replay does not need to decode
     assert [o.result for o in plain.outcomes] == ["replayed"]
+
+
+async def test_repair_to_named_targets_marks_every_other_target_done(admin: OutboxAdmin, database: Database) -> None:
+    await insert_rows(database, sample_rows())  # f-1: a gift that reached activity, failed at im
+    report = await admin.replay(["f-1"], actor="ops", as_repair=True, targets=["im,activity"])
+    (both,) = report.outcomes
+    assert (both.result, both.targets) == ("replayed", ("activity", "im"))
+    assert report.to_dict()["targets"] == ["activity", "im"]
+    assert both.new_event_id is not None
+    assert (await row_of(database, both.new_event_id)).targets_done == "broker"
+    (audit,) = await audit_of(database, both.new_event_id)
+    assert (json.loads(audit.detail)["targets"], json.loads(audit.detail)["targets_named"]) == (
+        ["activity", "im"],
+        True,
+    )
+
+    await database.run_write(_fail_again, "f-1")
+    (only,) = (await admin.replay(["f-1"], actor="ops", as_repair=True, targets=["activity"])).outcomes
+    assert only.new_event_id is not None and only.targets == ("activity",)
+    assert (await row_of(database, only.new_event_id)).targets_done == "broker,im"
+
+
+def _fail_again(conn: sa.Connection, event_id: str) -> None:
+    conn.execute(sa.update(t.room_outbox).where(t.room_outbox.c.event_id == event_id).values(status="failed"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"as_repair": True, "targets": ["im", "sms"]}, "unknown target 'sms'; expected one of im, activity, broker"),
+        ({"as_repair": True, "targets": ["IM"]}, "unknown target 'IM'"),
+        ({"as_repair": True, "targets": ["notice"]}, "unknown target 'notice'"),
+        ({"as_repair": True, "targets": [" , "]}, "targets must name at least one"),
+        ({"as_repair": True, "targets": []}, "targets must name at least one"),
+        ({"targets": ["im"]}, "targets apply to a repair only"),
+    ],
+)
+async def test_repair_targets_are_validated_before_anything_is_written(
+    admin: OutboxAdmin, database: Database, kwargs: dict[str, Any], message: str
+) -> None:
+    await insert_rows(database, sample_rows())
+    with pytest.raises(errors.InvalidArgument, match=message):
+        await admin.replay(["f-1"], actor="ops", **kwargs)
+    with pytest.raises(errors.InvalidArgument, match=message):
+        await admin.replay_matching(OutboxFilter(), actor="ops", **kwargs)
+    assert (await admin.stats()).total == len(sample_rows())
+    assert (await row_of(database, "f-1")).status == "failed"
+
+
+async def test_a_repair_with_no_target_left_writes_nothing(admin: OutboxAdmin, database: Database) -> None:
+    done = outbox_row(gift_event("all-done"), status="failed", targets_done="activity,broker,im")
+    await insert_rows(database, [*sample_rows(), done])
+    report = await admin.replay(["all-done", "f-1"], actor="ops", as_repair=True, targets=["treasure_wakeup"])
+    assert [o.result for o in report.outcomes] == ["no_targets", "no_targets"]
+    assert "RoomGiftSent has none of the targets named (treasure_wakeup" in report.outcomes[1].message
+    (default,) = (await admin.replay(["all-done"], actor="ops", as_repair=True)).outcomes
+    assert default.result == "no_targets"
+    assert "every target of RoomGiftSent (activity, broker, im) succeeded" in default.message
+    assert report.to_dict()["no_targets"] == 2
+    assert (await admin.stats()).total == len(sample_rows()) + 1
+    assert await audit_of(database, "all-done") == []
+
+
+async def test_a_repair_of_a_repair_still_names_the_first_event(admin: OutboxAdmin, database: Database) -> None:
+    await insert_rows(database, sample_rows())
+    (first,) = (await admin.replay(["f-1"], actor="ops", as_repair=True)).outcomes
+    assert first.new_event_id is not None
+    await database.run_write(_fail_again, first.new_event_id)
+    (second,) = (await admin.replay([first.new_event_id], actor="ops", as_repair=True)).outcomes
+    assert second.new_event_id is not None
+    decoded = wire.decode_event((await row_of(database, second.new_event_id)).payload)
+    assert (decoded.event_id, decoded.repair_of) == (second.new_event_id, "f-1")
+    # the first repair's pre-marked targets carry over: still not sent to activity
+    assert (await row_of(database, second.new_event_id)).targets_done == "activity"
+
+
+async def test_bulk_repair_to_named_targets(admin: OutboxAdmin, database: Database) -> None:
+    await insert_rows(database, sample_rows())
+    report = await admin.replay_matching(OutboxFilter(), actor="ops", as_repair=True, targets=["activity"])
+    assert sorted((o.event_id, o.targets) for o in report.outcomes) == [
+        ("f-1", ("activity",)),
+        ("f-2", ("activity",)),
+    ]
+    for o in report.outcomes:
+        assert o.new_event_id is not None
+        assert (await row_of(database, o.new_event_id)).targets_done == "broker,im"
 
 
 async def test_bulk_replay_in_batches_with_progress(admin: OutboxAdmin, database: Database) -> None:

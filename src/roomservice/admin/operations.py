@@ -16,10 +16,21 @@ Replay (only rows in status ``failed``):
   ``retry_count`` and ``last_error`` go into the ``replay`` audit record.
 * ``as_repair``: the failed row stays as it is; a NEW row is written with a new
   ``event_id`` (uuid4 hex), the same app/room/version/type and the original
-  envelope re-encoded with the new id. Being a new event it goes to every
-  target of its type (``targets_done`` empty). Audit: ``repair`` on the
+  envelope re-encoded with the new id and ``repair_of`` = the original's id
+  (its root's, when the original is itself a repair). Audit: ``repair`` on the
   original (naming the new id), ``repair_of`` on the new row (naming the
-  original) — the audit trail is how the repair references the original.
+  original).
+
+  Targets: by default a repair goes only to the targets that had NOT succeeded
+  for the original; ``targets`` (names from :data:`REPAIR_TARGETS`) names them
+  instead. The worker is not told: the repair row is written with every other
+  target its type can have (in any publish mode) already in ``targets_done``,
+  so the worker — which sends ``required_targets - targets_done`` — sends the
+  chosen ones its mode routes and nothing else. A row whose chosen targets are
+  none of its type's gets ``no_targets`` and no repair row. A named target that
+  had succeeded is sent again, and its effects still apply once: the activity
+  service and the IM publisher's sent record key on the original's id
+  (:func:`~roomservice.domain.events.dedup_id`).
 
 Each batch is one write transaction: the rows are read with ``FOR UPDATE`` (a
 no-op on SQLite, whose write transaction already holds the database lock), the
@@ -52,14 +63,17 @@ from sqlalchemy import (
 )
 
 from roomservice import errors, wire
+from roomservice.domain.events import dedup_id
+from roomservice.domain.routing import Target
 from roomservice.durations import parse_duration
-from roomservice.outbox.model import Status
+from roomservice.outbox.model import PublishMode, Status, format_targets, parse_targets, required_targets
 from roomservice.store.database import Database
 from roomservice.store.tables import room_outbox, room_outbox_audit
 
 __all__ = [
     "ALL_STATUSES",
     "LEGACY_STATUSES",
+    "REPAIR_TARGETS",
     "AuditRecord",
     "OutboxAdmin",
     "OutboxFilter",
@@ -68,6 +82,7 @@ __all__ = [
     "OutboxStats",
     "ReplayOutcome",
     "ReplayReport",
+    "parse_repair_targets",
 ]
 
 ALL_STATUSES: Final[tuple[str, ...]] = tuple(s.value for s in Status)
@@ -77,7 +92,37 @@ MAX_BATCH_SIZE: Final = 1000
 _MAX_FILTER_TEXT: Final = 200
 _ACTOR_MAX: Final = 64  # room_outbox_audit.actor is VARCHAR(64)
 
-ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable"]
+ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable", "no_targets"]
+
+# The delivery targets an operator may name for a repair (``notice`` is a broker consumer, not a target).
+REPAIR_TARGETS: Final[tuple[str, ...]] = tuple(
+    t.value for t in (Target.IM, Target.ACTIVITY, Target.BROKER, Target.TREASURE_WAKEUP)
+)
+
+
+def parse_repair_targets(values: Iterable[str] | None) -> frozenset[str] | None:
+    """Target names as people type them (repeated or comma-separated); ``None``: the default.
+
+    :class:`errors.InvalidArgument` for an unknown name or for a list naming none.
+    """
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    names = [w.strip() for v in values for w in v.split(",") if w.strip()]
+    for name in names:
+        if name not in REPAIR_TARGETS:
+            raise errors.InvalidArgument(f"unknown target {name[:40]!r}; expected one of {', '.join(REPAIR_TARGETS)}")
+    if not names:
+        raise errors.InvalidArgument(f"targets must name at least one of {', '.join(REPAIR_TARGETS)}")
+    return frozenset(names)
+
+
+@functools.cache
+def _routable(event_type: str) -> frozenset[str]:
+    """Every target a row of ``event_type`` can need, whatever the publish mode."""
+    return frozenset().union(*(required_targets(event_type, mode) for mode in PublishMode))
+
 
 # --------------------------------------------------------------------------- values
 
@@ -318,6 +363,7 @@ class ReplayOutcome:
     message: str
     status: str | None = None  # the row's status before the call (None: no such row)
     new_event_id: str | None = None  # as_repair: the repair event written
+    targets: tuple[str, ...] | None = None  # as_repair: what the repair is sent to (those the mode routes)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -325,6 +371,7 @@ class ReplayOutcome:
             "result": self.result,
             "status": self.status,
             "new_event_id": self.new_event_id,
+            "targets": None if self.targets is None else list(self.targets),
             "message": self.message,
         }
 
@@ -333,6 +380,7 @@ class ReplayOutcome:
 class ReplayReport:
     as_repair: bool
     outcomes: list[ReplayOutcome] = field(default_factory=list)
+    targets: frozenset[str] | None = None  # the targets named for a repair (None: its default)
 
     def _count(self, result: ReplayResult) -> int:
         return sum(1 for o in self.outcomes if o.result == result)
@@ -353,14 +401,20 @@ class ReplayReport:
     def undecodable(self) -> int:
         return self._count("undecodable")
 
+    @property
+    def no_targets(self) -> int:
+        return self._count("no_targets")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "as_repair": self.as_repair,
+            "targets": None if self.targets is None else sorted(self.targets),
             "total": len(self.outcomes),
             "replayed": self.replayed,
             "not_found": self.not_found,
             "not_failed": self.not_failed,
             "undecodable": self.undecodable,
+            "no_targets": self.no_targets,
             "results": [o.to_dict() for o in self.outcomes],
         }
 
@@ -543,16 +597,22 @@ class OutboxAdmin:
         *,
         actor: str,
         as_repair: bool = False,
+        targets: Iterable[str] | None = None,
         batch_size: int = 100,
     ) -> ReplayReport:
-        """Replay the ``failed`` rows among ``event_ids``; every id gets an outcome, in input order."""
+        """Replay the ``failed`` rows among ``event_ids``; every id gets an outcome, in input order.
+
+        ``targets`` (repair only; names of :data:`REPAIR_TARGETS`, comma lists allowed):
+        what the repair is sent to; ``None`` sends it where the original had not succeeded.
+        """
         _check_batch_size(batch_size)
         ids = list(dict.fromkeys(event_ids))
         actor = _actor(actor)
-        report = ReplayReport(as_repair=as_repair)
+        chosen = _repair_targets(targets, as_repair)
+        report = ReplayReport(as_repair=as_repair, targets=chosen)
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
-            outcomes = await self.db.run_write(_replay_ids, chunk, self.clock(), actor, as_repair)
+            outcomes = await self.db.run_write(_replay_ids, chunk, self.clock(), actor, _Mode(as_repair, chosen))
             report.outcomes.extend(outcomes)
             self._notify(outcomes)
         return report
@@ -563,6 +623,7 @@ class OutboxAdmin:
         *,
         actor: str,
         as_repair: bool = False,
+        targets: Iterable[str] | None = None,
         batch_size: int = 100,
         progress: Callable[[int, int], None] | None = None,
     ) -> ReplayReport:
@@ -570,9 +631,11 @@ class OutboxAdmin:
 
         The set is fixed when the call starts (ages relative to that moment,
         ids up to the highest matching one then); ``progress(done, total)`` is
-        called once before the first batch and after each batch.
+        called once before the first batch and after each batch. ``targets``: as
+        for :meth:`replay`.
         """
         _check_batch_size(batch_size)
+        chosen = _repair_targets(targets, as_repair)
         flt = filter or OutboxFilter()
         if any(s != _FAILED for s in flt.statuses):
             raise errors.InvalidArgument("replay only takes failed rows: the status filter must be 'failed'")
@@ -582,7 +645,7 @@ class OutboxAdmin:
         shape, params = flt._shape(), flt._params(now_ms)
         total_raw, max_id = await self.db.run_read(_one, _count_statement(shape), params)
         total = int(total_raw or 0)
-        report = ReplayReport(as_repair=as_repair)
+        report = ReplayReport(as_repair=as_repair, targets=chosen)
         if progress is not None:
             progress(0, total)
         if not total or max_id is None:
@@ -592,7 +655,7 @@ class OutboxAdmin:
         while True:
             batch_params = {**params, "after_id": after_id, "max_id": int(max_id), "limit": batch_size}
             outcomes, last_id = await self.db.run_write(
-                _replay_next_batch, statement, batch_params, self.clock(), actor, as_repair
+                _replay_next_batch, statement, batch_params, self.clock(), actor, _Mode(as_repair, chosen)
             )
             if last_id is None:
                 break
@@ -637,12 +700,27 @@ def _read_show(conn: Connection, event_id: str) -> tuple[_AnyRow | None, list[_A
     return row, list(conn.execute(_SHOW_AUDIT, {"event_id": event_id}).all())
 
 
-def _replay_ids(
-    conn: Connection, event_ids: list[str], now_ms: int, actor: str, as_repair: bool
-) -> list[ReplayOutcome]:
+@dataclass(frozen=True, slots=True)
+class _Mode:
+    """How a replay treats its rows: requeue, or repair (to the named targets, or by default)."""
+
+    as_repair: bool
+    targets: frozenset[str] | None = None
+
+
+def _repair_targets(targets: Iterable[str] | None, as_repair: bool) -> frozenset[str] | None:
+    chosen = parse_repair_targets(targets)
+    if chosen is not None and not as_repair:
+        raise errors.InvalidArgument(
+            "targets apply to a repair only (as_repair): a plain replay sends what the row has not delivered"
+        )
+    return chosen
+
+
+def _replay_ids(conn: Connection, event_ids: list[str], now_ms: int, actor: str, mode: _Mode) -> list[ReplayOutcome]:
     found = {r.event_id: r for r in conn.execute(_LOCK_BY_EVENT_IDS, {"event_ids": event_ids}).all()}
     failed = [found[i] for i in event_ids if i in found and found[i].status == _FAILED]
-    applied = {o.event_id: o for o in _apply(conn, failed, now_ms, actor, as_repair)}
+    applied = {o.event_id: o for o in _apply(conn, failed, now_ms, actor, mode)}
     outcomes: list[ReplayOutcome] = []
     for event_id in event_ids:
         row = found.get(event_id)
@@ -663,20 +741,20 @@ def _replay_ids(
 
 
 def _replay_next_batch(
-    conn: Connection, statement: _AnySelect, params: dict[str, Any], now_ms: int, actor: str, as_repair: bool
+    conn: Connection, statement: _AnySelect, params: dict[str, Any], now_ms: int, actor: str, mode: _Mode
 ) -> tuple[list[ReplayOutcome], int | None]:
     rows = list(conn.execute(statement, params).all())
     if not rows:
         return [], None
-    return _apply(conn, rows, now_ms, actor, as_repair), int(rows[-1].id)
+    return _apply(conn, rows, now_ms, actor, mode), int(rows[-1].id)
 
 
-def _apply(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, as_repair: bool) -> list[ReplayOutcome]:
+def _apply(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, mode: _Mode) -> list[ReplayOutcome]:
     """Replay locked ``failed`` rows: requeue them, or write repair rows; audit either way."""
     if not rows:
         return []
-    if as_repair:
-        return _repair(conn, rows, now_ms, actor)
+    if mode.as_repair:
+        return _repair(conn, rows, now_ms, actor, mode.targets)
     changed = conn.execute(_REQUEUE, {"ids": [r.id for r in rows], "now_ms": now_ms}).rowcount
     if changed != len(rows):  # the rows are locked: only a concurrent writer ignoring locks gets here
         raise errors.Retry("outbox rows changed during the replay; nothing was replayed, retry")
@@ -707,7 +785,9 @@ def _apply(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, a
     ]
 
 
-def _repair(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str) -> list[ReplayOutcome]:
+def _repair(
+    conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, named: frozenset[str] | None
+) -> list[ReplayOutcome]:
     outcomes: list[ReplayOutcome] = []
     new_rows: list[dict[str, Any]] = []
     audits: list[dict[str, Any]] = []
@@ -724,7 +804,17 @@ def _repair(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str) 
                 )
             )
             continue
+        routable = _routable(r.event_type)
+        succeeded = parse_targets(r.targets_done or "") & routable
+        chosen = (routable - succeeded if named is None else named) & routable
+        if not chosen:
+            outcomes.append(
+                ReplayOutcome(r.event_id, "no_targets", _no_targets_message(r, named, routable), status=_FAILED)
+            )
+            continue
         new_id = uuid.uuid4().hex
+        repair_of = dedup_id(original)  # a repair of a repair still names the first event
+        sent_to = tuple(sorted(chosen))
         new_rows.append(
             {
                 "event_id": new_id,
@@ -732,11 +822,12 @@ def _repair(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str) 
                 "room_id": r.room_id,
                 "room_version": r.room_version,
                 "event_type": r.event_type,
-                "payload": wire.encode_event(replace(original, event_id=new_id)),
+                "payload": wire.encode_event(replace(original, event_id=new_id, repair_of=repair_of)),
                 "status": _PENDING,
                 "retry_count": 0,
                 "replay_count": 0,
-                "targets_done": "",
+                # the worker sends required_targets - targets_done: mark every target but the chosen done
+                "targets_done": format_targets(routable - chosen),
                 "due_at_ms": now_ms,
                 "created_at_ms": now_ms,
                 "updated_at_ms": now_ms,
@@ -749,6 +840,8 @@ def _repair(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str) 
                 actor,
                 now_ms,
                 repair_event_id=new_id,
+                targets=list(sent_to),
+                targets_named=named is not None,
                 previous_retry_count=r.retry_count,
                 previous_last_error=r.last_error,
                 note=f"repair event {new_id} written; this row stays failed",
@@ -761,22 +854,41 @@ def _repair(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str) 
                 actor,
                 now_ms,
                 original_event_id=r.event_id,
-                note=f"repair event re-sending {r.event_id} (failed) under a new event_id",
+                repair_of=repair_of,
+                targets=list(sent_to),
+                targets_named=named is not None,
+                note=(
+                    f"repair event re-sending {r.event_id} (failed) under a new event_id to {', '.join(sent_to)}; "
+                    "targets_done starts with the targets it is not sent to"
+                ),
             )
         )
         outcomes.append(
             ReplayOutcome(
                 r.event_id,
                 "replayed",
-                f"{r.event_id} repaired: new event {new_id} queued, the original stays failed",
+                f"{r.event_id} repaired: new event {new_id} queued for {', '.join(sent_to)}, the original stays failed",
                 status=_FAILED,
                 new_event_id=new_id,
+                targets=sent_to,
             )
         )
     if new_rows:
         conn.execute(_INSERT_OUTBOX, new_rows)
         conn.execute(_INSERT_AUDIT, audits)
     return outcomes
+
+
+def _no_targets_message(r: _AnyRow, named: frozenset[str] | None, routable: frozenset[str]) -> str:
+    if named is None:
+        return (
+            f"{r.event_id}: every target of {r.event_type} ({', '.join(sorted(routable)) or 'none'}) succeeded "
+            "for the original; no repair event written (name targets to send it again)"
+        )
+    return (
+        f"{r.event_id}: {r.event_type} has none of the targets named ({', '.join(sorted(named))}; "
+        f"its targets: {', '.join(sorted(routable)) or 'none'}); no repair event written"
+    )
 
 
 # --------------------------------------------------------------------------- rows
