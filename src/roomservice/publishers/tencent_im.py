@@ -115,23 +115,24 @@ class TencentImPublisher:
 
     async def _publish(self, event: e.Event, deadline: float) -> None:
         group = self.group_of(event.app_code, event.room_id)
-        done = await self.steps.done(event.event_id)
+        sent_id = e.dedup_id(event)  # a repair event shares its original's sent record
+        done = await self.steps.done(sent_id)
         p = event.payload
         if isinstance(p, e.RoomCreated):
             # a late retry after the room closed must not bring the group back (ids are never reused)
             if GROUP not in done and not await self.steps.destroyed(group):
                 await self._ensure_group(group, p.owner_id, p.title, deadline)
-                await self.steps.record(event.event_id, group, GROUP)
+                await self.steps.record(sent_id, group, GROUP)
             return
         if isinstance(p, e.RoomUserKicked) and MEMBER not in done:
             await self._remove_member(group, p.target_id, p.ban_seconds, deadline)
-            await self.steps.record(event.event_id, group, MEMBER)
+            await self.steps.record(sent_id, group, MEMBER)
         if MESSAGE not in done:
             await self._send_message(group, event, deadline)
-            await self.steps.record(event.event_id, group, MESSAGE)
+            await self.steps.record(sent_id, group, MESSAGE)
         if isinstance(p, e.RoomClosed) and DESTROY not in done:
             await self._destroy(group, deadline)
-            await self.steps.record(event.event_id, group, DESTROY)
+            await self.steps.record(sent_id, group, DESTROY)
 
     # ------------------------------------------------------------------ steps
 
