@@ -1,4 +1,4 @@
-"""``/admin/outbox…`` in process over a real Runtime on SQLite: auth, happy paths, 400 and 404."""
+"""``/admin/outbox…`` in process over a real Process on SQLite: auth, happy paths, 400 and 404."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.service.test_outbox_admin import HOUR, MIN, T0, Clock, gift_event, in
 
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.api.app import ApiContext, create_app
-from roomservice.runtime import Runtime
+from roomservice.bootstrap import Process
 from roomservice.store import tables as t
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -31,7 +31,7 @@ ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
 
 
 @pytest_asyncio.fixture
-async def admin_client(api_runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
+async def admin_client(api_runtime: Process) -> AsyncIterator[httpx.AsyncClient]:
     await insert_rows(api_runtime.db, sample_rows())
     admin = OutboxAdmin(api_runtime.db, clock=Clock())
     app = create_app(
@@ -47,7 +47,7 @@ async def admin_client(api_runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]
         yield http
 
 
-async def status_of(rt: Runtime, event_id: str) -> str:
+async def status_of(rt: Process, event_id: str) -> str:
     async with rt.db.read() as conn:
         value = await conn.scalar(sa.select(t.room_outbox.c.status).where(t.room_outbox.c.event_id == event_id))
     return str(value)
@@ -78,7 +78,7 @@ def assert_error(response: httpx.Response, status: int, code: str, *fragments: s
 )
 async def test_every_admin_route_needs_the_token(
     admin_client: httpx.AsyncClient,
-    api_runtime: Runtime,
+    api_runtime: Process,
     method: str,
     path: str,
     body: dict[str, Any] | None,
@@ -191,7 +191,7 @@ async def test_show_unknown_is_404(admin_client: httpx.AsyncClient) -> None:
 # --------------------------------------------------------------------------- replay
 
 
-async def test_replay_by_ids(admin_client: httpx.AsyncClient, api_runtime: Runtime) -> None:
+async def test_replay_by_ids(admin_client: httpx.AsyncClient, api_runtime: Process) -> None:
     response = await admin_client.post("/admin/outbox/replay", json={"event_ids": ["f-1", "d-1", "nope"]}, headers=AUTH)
     assert response.status_code == 200, response.text
     body = response.json()
@@ -209,7 +209,7 @@ async def test_replay_by_ids(admin_client: httpx.AsyncClient, api_runtime: Runti
     assert [(a["action"], a["actor"]) for a in shown["audit"]] == [("replay", "admin-api")]
 
 
-async def test_replay_as_repair(admin_client: httpx.AsyncClient, api_runtime: Runtime) -> None:
+async def test_replay_as_repair(admin_client: httpx.AsyncClient, api_runtime: Process) -> None:
     response = await admin_client.post(
         "/admin/outbox/replay", json={"event_ids": ["f-2"], "as_repair": True}, headers=AUTH
     )
@@ -224,7 +224,36 @@ async def test_replay_as_repair(admin_client: httpx.AsyncClient, api_runtime: Ru
     assert [a["action"] for a in repaired["audit"]] == ["repair_of"]
 
 
-async def test_replay_by_filter(admin_client: httpx.AsyncClient, api_runtime: Runtime) -> None:
+async def test_replay_as_repair_to_default_and_named_targets(
+    admin_client: httpx.AsyncClient, api_runtime: Process
+) -> None:
+    # f-1 (a gift) had reached activity: by default its repair goes everywhere else
+    default = await admin_client.post(
+        "/admin/outbox/replay", json={"event_ids": ["f-1"], "as_repair": True}, headers=AUTH
+    )
+    assert default.status_code == 200, default.text
+    assert default.json()["targets"] is None
+    (result,) = default.json()["results"]
+    assert result["targets"] == ["broker", "im"]
+    repaired = (await admin_client.get(f"/admin/outbox/{result['new_event_id']}", headers=AUTH)).json()
+    assert repaired["event"]["repair_of"] == "f-1"
+    assert repaired["targets_done"] == ["activity"]
+
+    named = await admin_client.post(
+        "/admin/outbox/replay",
+        json={"filter": {"type": "RoomUserJoined"}, "as_repair": True, "targets": ["activity"]},
+        headers=AUTH,
+    )
+    assert named.status_code == 200, named.text
+    assert named.json()["targets"] == ["activity"]
+    (result,) = named.json()["results"]
+    assert (result["event_id"], result["result"], result["targets"]) == ("f-2", "replayed", ["activity"])
+    repaired = (await admin_client.get(f"/admin/outbox/{result['new_event_id']}", headers=AUTH)).json()
+    assert repaired["event"]["repair_of"] == "f-2"
+    assert repaired["targets_done"] == ["broker", "im"]
+
+
+async def test_replay_by_filter(admin_client: httpx.AsyncClient, api_runtime: Process) -> None:
     response = await admin_client.post(
         "/admin/outbox/replay",
         json={"filter": {"status": ["failed"], "type": "RoomUserJoined", "older_than": "1m"}},
@@ -252,6 +281,11 @@ async def test_replay_by_filter(admin_client: httpx.AsyncClient, api_runtime: Ru
         ({"event_ids": [1]}, "event_ids"),
         ({"event_ids": ["f-1"], "as_repair": "yes"}, "as_repair"),
         ({"event_ids": ["f-1"], "extra": 1}, "extra"),
+        ({"event_ids": ["f-1"], "as_repair": True, "targets": ["im", "sms"]}, "unknown target 'sms'"),
+        ({"event_ids": ["f-1"], "as_repair": True, "targets": []}, "at least one"),
+        ({"event_ids": ["f-1"], "as_repair": True, "targets": "im"}, "targets"),
+        ({"filter": {}, "as_repair": True, "targets": ["notice"]}, "expected one of im, activity, broker"),
+        ({"event_ids": ["f-1"], "targets": ["im"]}, "repair only"),
         ({"filter": {"status": ["pending"]}}, "failed"),
         ({"filter": {"status": ["bogus"]}}, "failed"),
         ({"filter": {"older_than": "10"}}, "older_than"),
@@ -259,7 +293,7 @@ async def test_replay_by_filter(admin_client: httpx.AsyncClient, api_runtime: Ru
     ],
 )
 async def test_replay_rejects_bad_bodies(
-    admin_client: httpx.AsyncClient, api_runtime: Runtime, body: dict[str, Any], fragment: str
+    admin_client: httpx.AsyncClient, api_runtime: Process, body: dict[str, Any], fragment: str
 ) -> None:
     response = await admin_client.post("/admin/outbox/replay", json=body, headers=AUTH)
     assert_error(response, 400, "invalid_argument", fragment)

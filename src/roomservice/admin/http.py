@@ -5,6 +5,8 @@
     GET  /admin/outbox/{event_id}
     POST /admin/outbox/replay   {"event_ids": [...], "as_repair": false}
                                 or {"filter": {...}, "as_repair": false}
+                                (a repair may add "targets": ["im", "activity", ...];
+                                 without it, the targets the original had not reached)
 
 ``status`` may be repeated or comma-separated; durations are Go strings
 (``"10m"``, ``"1h30m"``). Bad values answer ``400 invalid_argument``, an
@@ -60,6 +62,8 @@ class ReplayBody(BaseModel):
     event_ids: list[EventId] | None = Field(default=None, min_length=1, max_length=MAX_REPLAY_IDS)
     filter: ReplayFilterBody | None = None
     as_repair: bool = False
+    # repair only; names checked by OutboxAdmin (400 naming the valid ones)
+    targets: list[FilterText] | None = Field(default=None, max_length=16)
 
     @model_validator(mode="after")
     def _ids_or_filter(self) -> ReplayBody:
@@ -110,10 +114,12 @@ def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None
     @router.post("/replay")
     async def outbox_replay(body: ReplayBody) -> dict[str, Any]:
         if body.event_ids is not None:
-            report = await admin.replay(body.event_ids, actor=ACTOR, as_repair=body.as_repair)
+            report = await admin.replay(body.event_ids, actor=ACTOR, as_repair=body.as_repair, targets=body.targets)
         else:
             assert body.filter is not None  # the model validator guarantees one of the two
-            report = await admin.replay_matching(body.filter.to_filter(), actor=ACTOR, as_repair=body.as_repair)
+            report = await admin.replay_matching(
+                body.filter.to_filter(), actor=ACTOR, as_repair=body.as_repair, targets=body.targets
+            )
         return report.to_dict()
 
     return router
