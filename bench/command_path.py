@@ -30,13 +30,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.common import describe, fresh_database, percentile, run_concurrently
+from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.cell.cell import RoomCell
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
 from roomservice.domain.decider import decide, replay, stamp
 from roomservice.leases.port import Lease
 from roomservice.observability.logging import configure_logging
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
@@ -56,7 +56,7 @@ def _settings(url: str, data_dir: str) -> Any:
 
 async def service_run(url: str, commands: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data_dir:
-        async with Runtime.running(_settings(url, data_dir), background=False) as rt:
+        async with Process.running(_settings(url, data_dir), roles=(API, MAINTENANCE), loops=False) as rt:
             svc = rt.service
             await run_concurrently(
                 CONCURRENCY,
@@ -91,7 +91,7 @@ async def service_run(url: str, commands: int) -> dict[str, Any]:
     }
 
 
-async def cell_load_time(rt: Runtime) -> dict[str, float]:
+async def cell_load_time(rt: Process) -> dict[str, float]:
     """Time store.load_room for a room with a snapshot and snapshot_every_n - 1 log rows after it."""
     n = rt.settings.room.snapshot_every_n
     svc = rt.service

@@ -26,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.common import fresh_database, percentile
+from roomservice.bootstrap import Process
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
 from roomservice.domain import events as e
@@ -33,7 +34,6 @@ from roomservice.domain.events import Event
 from roomservice.observability.logging import configure_logging
 from roomservice.outbox.repository import Delivered
 from roomservice.outbox.sql import SqlOutboxRepository
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
@@ -144,7 +144,7 @@ async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float =
                 .with_overrides({"database.url": url, "outbox_worker.poll_interval": "1s"})
             )
             publishers: dict[str, Any] = {"im": InstantPublisher("im"), "activity": InstantPublisher("activity")}
-            async with Runtime.running(settings, publishers=publishers) as rt:
+            async with Process.running(settings, publishers=publishers) as rt:
                 svc = rt.service
                 await svc.execute("bench", "lat", "create", c.CreateRoom(owner_id="o", title="latency"))
                 total = int(rate * seconds)
@@ -182,7 +182,7 @@ async def idle_cost(backend: str, *, seconds: float = 10.0) -> dict[str, float]:
     async with fresh_database(backend) as url:
         with tempfile.TemporaryDirectory() as data_dir:
             settings = load_settings().with_data_dir(Path(data_dir)).with_overrides({"database.url": url})
-            async with Runtime.running(settings) as rt:
+            async with Process.running(settings) as rt:
                 await asyncio.sleep(1.0)  # let start-up settle
                 assert rt.worker is not None
                 batches_before = rt.worker.batches

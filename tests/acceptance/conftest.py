@@ -12,7 +12,7 @@ import pytest_asyncio
 import sqlalchemy as sa
 from tests.service.conftest import make_settings
 
-from roomservice.runtime import Runtime
+from roomservice.bootstrap import Process
 from roomservice.store import tables as t
 
 FAST_RETRIES = {
@@ -27,14 +27,14 @@ FAST_RETRIES = {
 
 
 @pytest_asyncio.fixture
-async def direct(fresh_mariadb_url: str, tmp_path: Path) -> AsyncIterator[Runtime]:
+async def direct(fresh_mariadb_url: str, tmp_path: Path) -> AsyncIterator[Process]:
     settings = make_settings(fresh_mariadb_url, tmp_path, **FAST_RETRIES)
-    async with Runtime.running(settings) as rt:
+    async with Process.running(settings) as rt:
         assert rt.sandbox is not None and rt.activity_service is not None
         yield rt
 
 
-async def statuses(rt: Runtime) -> dict[str, int]:
+async def statuses(rt: Process) -> dict[str, int]:
     async with rt.db.read() as conn:
         rows = await conn.execute(sa.select(t.room_outbox.c.status, sa.func.count()).group_by(t.room_outbox.c.status))
         return {status: int(n) for status, n in rows.all()}
@@ -51,6 +51,6 @@ async def eventually(check: Callable[[], Awaitable[Any]], *, timeout_s: float = 
         await asyncio.sleep(0.05)
 
 
-async def all_delivered(rt: Runtime) -> bool:
+async def all_delivered(rt: Process) -> bool:
     counts = await statuses(rt)
     return set(counts) == {"delivered"}

@@ -12,11 +12,11 @@ from tests.acceptance.conftest import all_delivered, eventually, statuses
 from roomservice.activity.service import start_activity_service
 from roomservice.activity.store import ActivityStore
 from roomservice.admin.operations import OutboxFilter
+from roomservice.bootstrap import Process
 from roomservice.clock import wall_clock_ms
 from roomservice.domain import commands as c
 from roomservice.domain.state import utc_day
 from roomservice.integrations.tencent_im.client import group_id_for
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 
 pytestmark = pytest.mark.slow
@@ -24,11 +24,11 @@ pytestmark = pytest.mark.slow
 APP, ROOM = "demo", "r1"
 
 
-async def run(rt: Runtime, command_id: str, command: c.Command, room: str = ROOM) -> dict[str, object]:
+async def run(rt: Process, command_id: str, command: c.Command, room: str = ROOM) -> dict[str, object]:
     return await rt.service.execute(APP, room, command_id, command)
 
 
-async def real_chain(rt: Runtime, room: str = ROOM) -> list[str]:
+async def real_chain(rt: Process, room: str = ROOM) -> list[str]:
     """create -> join -> mic -> gift -> leave -> kick; returns every event type committed."""
     bodies = [
         await run(rt, f"{room}-1", c.CreateRoom(owner_id="alice", title="Chain"), room),
@@ -42,13 +42,13 @@ async def real_chain(rt: Runtime, room: str = ROOM) -> list[str]:
     return [e["type"] for b in bodies for e in b["events"]]  # type: ignore[index, union-attr]
 
 
-def im_messages(rt: Runtime, room: str = ROOM) -> list[dict[str, object]]:
+def im_messages(rt: Process, room: str = ROOM) -> list[dict[str, object]]:
     assert rt.sandbox is not None
     group = group_id_for(APP, room, group_type=rt.settings.tencent_im.group_type)
     return [json.loads(m.data or "{}") for m in rt.sandbox.state.messages(group)]
 
 
-async def force_redelivery(rt: Runtime, *, forget_im_record: bool) -> None:
+async def force_redelivery(rt: Process, *, forget_im_record: bool) -> None:
     """Every row pending again; optionally wipe our own IM sent-record so the client really
     sends again and Tencent's duplicate window (same Random) has to absorb it."""
     async with rt.db.write() as conn:
@@ -60,7 +60,7 @@ async def force_redelivery(rt: Runtime, *, forget_im_record: bool) -> None:
     await eventually(lambda: all_delivered(rt), what="re-delivery")
 
 
-async def test_normal_delivery_reaches_im_and_activity_once_even_when_resent(direct: Runtime) -> None:
+async def test_normal_delivery_reaches_im_and_activity_once_even_when_resent(direct: Process) -> None:
     types = await real_chain(direct)
     await eventually(lambda: all_delivered(direct), what="every row delivered")
     sandbox = direct.sandbox
@@ -92,7 +92,7 @@ async def test_normal_delivery_reaches_im_and_activity_once_even_when_resent(dir
     assert im_messages(direct)[-1]["type"] == "RoomClosed"  # the message went out before the destroy
 
 
-async def test_im_down_commands_succeed_rows_fail_then_replay_delivers(direct: Runtime) -> None:
+async def test_im_down_commands_succeed_rows_fail_then_replay_delivers(direct: Process) -> None:
     assert direct.sandbox is not None
     direct.sandbox.state.set_outage("http_503")
     await run(direct, "c1", c.CreateRoom(owner_id="alice", title="Down"))  # commands still succeed
@@ -115,7 +115,7 @@ async def test_im_down_commands_succeed_rows_fail_then_replay_delivers(direct: R
     assert direct.sandbox.state.group(group_id_for(APP, ROOM)) is not None
 
 
-async def test_activity_down_rows_retry_and_deliver_when_it_is_back(direct: Runtime) -> None:
+async def test_activity_down_rows_retry_and_deliver_when_it_is_back(direct: Process) -> None:
     service = direct.activity_service
     assert service is not None
     port = service.port
@@ -139,7 +139,7 @@ async def test_activity_down_rows_retry_and_deliver_when_it_is_back(direct: Runt
         await revived.stop()
 
 
-async def test_usersig_expiry_is_cured_by_a_fresh_signature(direct: Runtime) -> None:
+async def test_usersig_expiry_is_cured_by_a_fresh_signature(direct: Process) -> None:
     assert direct.sandbox is not None
     await run(direct, "c1", c.CreateRoom(owner_id="alice", title="x"))
     await eventually(lambda: all_delivered(direct))
@@ -154,7 +154,7 @@ async def test_usersig_expiry_is_cured_by_a_fresh_signature(direct: Runtime) -> 
     assert joined.retry_count == 0  # cured inside one attempt
 
 
-async def _event_ids(rt: Runtime, event_type: str) -> list[str]:
+async def _event_ids(rt: Process, event_type: str) -> list[str]:
     async with rt.db.read() as conn:
         rows = await conn.execute(sa.select(t.room_outbox.c.event_id).where(t.room_outbox.c.event_type == event_type))
         return [eid for (eid,) in rows.all()]

@@ -8,14 +8,14 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from roomservice.runtime import Runtime
+from roomservice.bootstrap import Process
 from roomservice.store import tables as t
 
 BASE = "/v1/apps/demo/rooms"
 CREATE = {"command_id": "c1", "room_id": "r1", "owner_id": "alice", "title": "x"}
 
 
-async def _written(rt: Runtime) -> tuple[int, int]:
+async def _written(rt: Process) -> tuple[int, int]:
     async with rt.db.read() as conn:
         log = await conn.scalar(sa.select(sa.func.count()).select_from(t.room_command_log))
         outbox = await conn.scalar(sa.select(sa.func.count()).select_from(t.room_outbox))
@@ -62,13 +62,13 @@ def _expect(resp: httpx.Response, status: int, code: str) -> None:
         (f"{BASE}/{'r' * 49}/join", {"command_id": "j", "user_id": "bob"}),
     ],
 )
-async def test_invalid_argument(client: httpx.AsyncClient, api_runtime: Runtime, path: str, body: Any) -> None:
+async def test_invalid_argument(client: httpx.AsyncClient, api_runtime: Process, path: str, body: Any) -> None:
     before = await _written(api_runtime)
     _expect(await client.post(path, json=body), 400, "invalid_argument")
     assert await _written(api_runtime) == before
 
 
-async def test_malformed_json(client: httpx.AsyncClient, api_runtime: Runtime) -> None:
+async def test_malformed_json(client: httpx.AsyncClient, api_runtime: Process) -> None:
     resp = await client.post(BASE, content=b'{"command_id": "c1", ', headers={"content-type": "application/json"})
     _expect(resp, 400, "invalid_argument")
     resp = await client.post(BASE, content=b"\xff\xfe", headers={"content-type": "application/json"})
@@ -76,7 +76,7 @@ async def test_malformed_json(client: httpx.AsyncClient, api_runtime: Runtime) -
     assert await _written(api_runtime) == (0, 0)
 
 
-async def test_oversized_body_is_413(client: httpx.AsyncClient, api_runtime: Runtime) -> None:
+async def test_oversized_body_is_413(client: httpx.AsyncClient, api_runtime: Process) -> None:
     resp = await client.post(BASE, json={**CREATE, "title": "x" * 70_000})
     _expect(resp, 413, "payload_too_large")
 
@@ -96,7 +96,7 @@ async def test_routing_errors(client: httpx.AsyncClient) -> None:
     _expect(await client.get("/v1/apps/demo/rooms/r1/join"), 405, "method_not_allowed")
 
 
-async def test_domain_errors_map_to_the_table(client: httpx.AsyncClient, api_runtime: Runtime) -> None:
+async def test_domain_errors_map_to_the_table(client: httpx.AsyncClient, api_runtime: Process) -> None:
     _expect(await client.post(f"{BASE}/nope/join", json={"command_id": "j", "user_id": "bob"}), 404, "room_not_found")
     await client.post(BASE, json=CREATE)
     before = await _written(api_runtime)

@@ -25,9 +25,9 @@ from tests.wallet_server import WalletServer, running_wallet_server
 
 from roomservice import errors
 from roomservice.api.errors import http_status
+from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.config import Settings
 from roomservice.domain import commands as c
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 from roomservice.wallet.http import HttpWallet
 from roomservice.wallet.port import (
@@ -66,9 +66,9 @@ def settings(sqlite_url: str, tmp_path: Path) -> Settings:
 @asynccontextmanager
 async def runtime_with(
     settings: Settings, clock: Clock, base_url: str, *, api_key: str = API_KEY
-) -> AsyncIterator[Runtime]:
+) -> AsyncIterator[Process]:
     wallet = HttpWallet(base_url, api_key=api_key, timeout_s=settings.wallet.timeout.total_seconds())
-    async with wallet, Runtime.running(settings, clock=clock, wallet=wallet, background=False) as rt:
+    async with wallet, Process.running(settings, clock=clock, wallet=wallet, roles=(API, MAINTENANCE), loops=False) as rt:
         yield rt
 
 
@@ -83,12 +83,12 @@ def rose(count: int = 1) -> c.SendGift:
     return c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=count)
 
 
-async def open_room(rt: Runtime, room: str = "r1") -> None:
+async def open_room(rt: Process, room: str = "r1") -> None:
     await run(rt, room, f"{room}-create", c.CreateRoom(owner_id="owner", title="Room"))
     await run(rt, room, f"{room}-join-bob", c.JoinRoom(user_id="bob"))
 
 
-async def assert_nothing_committed(rt: Runtime, outbox_before: int) -> None:
+async def assert_nothing_committed(rt: Process, outbox_before: int) -> None:
     assert await logged_versions(rt, "r1") == [1, 2]
     assert await count(rt, t.room_outbox) == outbox_before
     assert (await rt.service.room(APP, "r1"))["heat"] == 0

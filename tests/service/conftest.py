@@ -1,4 +1,4 @@
-"""Fixtures for service-level tests: a whole Runtime on SQLite or MariaDB with a controllable clock."""
+"""Fixtures for service-level tests: a whole Process on SQLite or MariaDB with a controllable clock."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.config import Settings, load_settings
-from roomservice.runtime import Runtime
 from roomservice.wallet.fake import FakeWallet
 
 T0 = 1_780_000_000_000  # 2026-05-28T20:26:40Z, far from a UTC midnight
@@ -33,7 +33,7 @@ def make_settings(database_url: str, data_dir: Path, **overrides: Any) -> Settin
     return base.with_overrides({"database.url": database_url, **overrides})
 
 
-RuntimeFactory = Callable[..., AbstractAsyncContextManager[Runtime]]
+RuntimeFactory = Callable[..., AbstractAsyncContextManager[Process]]
 
 
 @pytest.fixture(params=["sqlite", "mariadb"])
@@ -56,14 +56,14 @@ def wallet() -> FakeWallet:
 
 @pytest.fixture
 def runtime_factory(database_url: str, tmp_path: Path, clock: Clock, wallet: FakeWallet) -> RuntimeFactory:
-    def factory(**overrides: Any) -> AbstractAsyncContextManager[Runtime]:
+    def factory(**overrides: Any) -> AbstractAsyncContextManager[Process]:
         settings = make_settings(database_url, tmp_path, **overrides)
-        return Runtime.running(settings, clock=clock, wallet=wallet, background=False)
+        return Process.running(settings, clock=clock, wallet=wallet, roles=(API, MAINTENANCE), loops=False)
 
     return factory
 
 
 @pytest_asyncio.fixture
-async def runtime(runtime_factory: RuntimeFactory) -> AsyncIterator[Runtime]:
+async def runtime(runtime_factory: RuntimeFactory) -> AsyncIterator[Process]:
     async with runtime_factory() as rt:
         yield rt

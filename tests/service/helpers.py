@@ -6,24 +6,24 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from roomservice.bootstrap import Process
 from roomservice.domain import commands as c
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 
 APP = "demo"
 
 
-async def run(rt: Runtime, room: str, command_id: str, command: c.Command) -> dict[str, Any]:
+async def run(rt: Process, room: str, command_id: str, command: c.Command) -> dict[str, Any]:
     return await rt.service.execute(APP, room, command_id, command)
 
 
-async def count(rt: Runtime, table: sa.Table, *where: Any) -> int:
+async def count(rt: Process, table: sa.Table, *where: Any) -> int:
     async with rt.db.read() as conn:
         value = await conn.scalar(sa.select(sa.func.count()).select_from(table).where(*where))
     return int(value or 0)
 
 
-async def outbox_rows(rt: Runtime, room: str) -> list[Any]:
+async def outbox_rows(rt: Process, room: str) -> list[Any]:
     async with rt.db.read() as conn:
         result = await conn.execute(
             sa.select(t.room_outbox)
@@ -33,7 +33,7 @@ async def outbox_rows(rt: Runtime, room: str) -> list[Any]:
         return list(result.all())
 
 
-async def logged_versions(rt: Runtime, room: str) -> list[int]:
+async def logged_versions(rt: Process, room: str) -> list[int]:
     async with rt.db.read() as conn:
         result = await conn.execute(
             sa.select(t.room_command_log.c.version)

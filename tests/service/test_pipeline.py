@@ -10,8 +10,8 @@ from tests.service.conftest import Clock, RuntimeFactory
 from tests.service.helpers import APP, count, logged_versions, outbox_rows, run
 
 from roomservice import errors
+from roomservice.bootstrap import Process
 from roomservice.domain import commands as c
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 from roomservice.wallet.fake import FakeWallet
 
@@ -36,13 +36,13 @@ TIMING_FIELDS = {
 }
 
 
-async def open_room(rt: Runtime, room: str = "r1", *members: str) -> None:
+async def open_room(rt: Process, room: str = "r1", *members: str) -> None:
     await run(rt, room, f"{room}-create", c.CreateRoom(owner_id="owner", title="Room"))
     for user in members:
         await run(rt, room, f"{room}-join-{user}", c.JoinRoom(user_id=user))
 
 
-async def test_create_commits_version_one_with_outbox_row(runtime: Runtime) -> None:
+async def test_create_commits_version_one_with_outbox_row(runtime: Process) -> None:
     body = await run(runtime, "r1", "cmd-1", c.CreateRoom(owner_id="owner", title="Hi"))
     assert body["version"] == 1
     assert body["replayed"] is False
@@ -52,7 +52,7 @@ async def test_create_commits_version_one_with_outbox_row(runtime: Runtime) -> N
     assert rows[0].event_id == body["events"][0]["event_id"]
 
 
-async def test_same_command_id_replays_original_response(runtime: Runtime) -> None:
+async def test_same_command_id_replays_original_response(runtime: Process) -> None:
     await open_room(runtime)
     first = await run(runtime, "r1", "join-bob", c.JoinRoom(user_id="bob"))
     again = await run(runtime, "r1", "join-bob", c.JoinRoom(user_id="bob"))
@@ -70,7 +70,7 @@ async def test_replay_survives_a_restart(runtime_factory: RuntimeFactory) -> Non
         assert len(await outbox_rows(rt, "r1")) == 2
 
 
-async def test_reused_command_id_with_other_payload_is_409(runtime: Runtime) -> None:
+async def test_reused_command_id_with_other_payload_is_409(runtime: Process) -> None:
     await open_room(runtime)
     await run(runtime, "r1", "x", c.JoinRoom(user_id="bob"))
     with pytest.raises(errors.CommandIdReused):
@@ -79,7 +79,7 @@ async def test_reused_command_id_with_other_payload_is_409(runtime: Runtime) -> 
     assert [m["user_id"] for m in view["members"]] == ["owner", "bob"]
 
 
-async def test_noop_is_logged_without_version_bump(runtime: Runtime) -> None:
+async def test_noop_is_logged_without_version_bump(runtime: Process) -> None:
     await open_room(runtime, "r1", "bob")
     body = await run(runtime, "r1", "again", c.JoinRoom(user_id="bob"))
     assert body["version"] == 2
@@ -88,7 +88,7 @@ async def test_noop_is_logged_without_version_bump(runtime: Runtime) -> None:
     assert len(await outbox_rows(runtime, "r1")) == 2
 
 
-async def test_rejected_command_leaves_nothing(runtime: Runtime) -> None:
+async def test_rejected_command_leaves_nothing(runtime: Process) -> None:
     await open_room(runtime, "r1", "bob")
     await run(runtime, "r1", "m1", c.TakeMic(user_id="bob", seat=0))
     before = await logged_versions(runtime, "r1")
@@ -100,7 +100,7 @@ async def test_rejected_command_leaves_nothing(runtime: Runtime) -> None:
     assert await count(runtime, t.room_outbox) == 3
 
 
-async def test_unknown_room_is_404_and_keeps_no_cell(runtime: Runtime) -> None:
+async def test_unknown_room_is_404_and_keeps_no_cell(runtime: Process) -> None:
     with pytest.raises(errors.RoomNotFound):
         await run(runtime, "nope", "j1", c.JoinRoom(user_id="bob"))
     assert runtime.registry.peek(APP, "nope") is None
@@ -108,7 +108,7 @@ async def test_unknown_room_is_404_and_keeps_no_cell(runtime: Runtime) -> None:
         await runtime.service.room(APP, "nope")
 
 
-async def test_gift_debits_the_wallet_once(runtime: Runtime, wallet: FakeWallet) -> None:
+async def test_gift_debits_the_wallet_once(runtime: Process, wallet: FakeWallet) -> None:
     await open_room(runtime, "r1", "bob")
     price = runtime.service.rules.gifts["rose"].price
     body = await run(runtime, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=3))
@@ -119,7 +119,7 @@ async def test_gift_debits_the_wallet_once(runtime: Runtime, wallet: FakeWallet)
     assert len(wallet.debits) == 1
 
 
-async def test_insufficient_balance_leaves_no_trace(runtime: Runtime, wallet: FakeWallet) -> None:
+async def test_insufficient_balance_leaves_no_trace(runtime: Process, wallet: FakeWallet) -> None:
     await open_room(runtime, "r1", "bob")
     rows_before = await count(runtime, t.room_outbox)
     with pytest.raises(errors.InsufficientBalance):
@@ -131,7 +131,7 @@ async def test_insufficient_balance_leaves_no_trace(runtime: Runtime, wallet: Fa
     assert (await runtime.service.room(APP, "r1"))["heat"] == 0
 
 
-async def test_wallet_down_answers_503_and_commits_nothing(runtime: Runtime, wallet: FakeWallet) -> None:
+async def test_wallet_down_answers_503_and_commits_nothing(runtime: Process, wallet: FakeWallet) -> None:
     await open_room(runtime, "r1", "bob")
     wallet.down = True
     gift = c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1)
@@ -186,7 +186,7 @@ async def test_reconciliation_refunds_orphan_debits_only(
         assert (await rt.reconciler.run_once()).checked == 0
 
 
-async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Runtime) -> None:
+async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Process) -> None:
     await open_room(runtime)
     bodies = await asyncio.gather(
         *(run(runtime, "r1", f"join-{i}", c.JoinRoom(user_id=f"user{i}")) for i in range(50))
@@ -200,7 +200,7 @@ async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Runti
     assert sorted(r.room_version for r in rows) == list(range(1, 52))
 
 
-async def test_fenced_writer_cannot_commit(runtime: Runtime) -> None:
+async def test_fenced_writer_cannot_commit(runtime: Process) -> None:
     await open_room(runtime, "r1", "bob")
     # another process takes the room: its lease bumps the durable epoch
     await runtime.store.take_lease_epoch(APP, "r1")
@@ -212,7 +212,7 @@ async def test_fenced_writer_cannot_commit(runtime: Runtime) -> None:
     assert body["version"] == 3
 
 
-async def test_lost_lease_answers_retry(runtime: Runtime) -> None:
+async def test_lost_lease_answers_retry(runtime: Process) -> None:
     await open_room(runtime, "r1")
     runtime.leases.revoke(APP, "r1")  # type: ignore[attr-defined]
     with pytest.raises(errors.Retry):
@@ -258,7 +258,7 @@ async def test_idle_cells_are_evicted_and_reload(runtime_factory: RuntimeFactory
         assert [m["user_id"] for m in body["room"]["members"]] == ["owner", "bob", "carol"]
 
 
-async def test_projection_failure_never_fails_a_command(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_projection_failure_never_fails_a_command(runtime: Process, monkeypatch: pytest.MonkeyPatch) -> None:
     async def unavailable(*args: object) -> None:
         raise RuntimeError("projection store unavailable")
 
@@ -269,7 +269,7 @@ async def test_projection_failure_never_fails_a_command(runtime: Runtime, monkey
     assert any(entry["event"] == "projection_failed" for entry in logs)
 
 
-async def test_room_list_and_presence_follow_commits(runtime: Runtime) -> None:
+async def test_room_list_and_presence_follow_commits(runtime: Process) -> None:
     await open_room(runtime, "r1", "bob")
     await open_room(runtime, "r2", "carol", "dave")
     rooms = await runtime.service.rooms(APP)
@@ -280,7 +280,7 @@ async def test_room_list_and_presence_follow_commits(runtime: Runtime) -> None:
     assert await runtime.service.projections.room_of(APP, "bob") is None
 
 
-async def test_every_command_logs_timing_with_all_fields(runtime: Runtime) -> None:
+async def test_every_command_logs_timing_with_all_fields(runtime: Process) -> None:
     with capture_logs() as logs:
         await open_room(runtime, "r1", "bob")
         await run(runtime, "r1", "g", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1))
@@ -302,7 +302,7 @@ async def test_every_command_logs_timing_with_all_fields(runtime: Runtime) -> No
     assert timings[0]["version"] == 1 and timings[2]["version"] == 3
 
 
-async def test_treasure_opens_only_when_due(runtime: Runtime, clock: Clock) -> None:
+async def test_treasure_opens_only_when_due(runtime: Process, clock: Clock) -> None:
     await open_room(runtime, "r1", "bob")
     levels = runtime.service.rules.treasure_levels
     price = runtime.service.rules.gifts["rocket"].price
@@ -348,7 +348,7 @@ async def test_replays_with_a_cold_cache_answer_the_original(runtime_factory: Ru
 
 
 async def test_database_failure_at_commit_answers_503_and_reloads(
-    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+    runtime: Process, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from roomservice.store.port import StoreUnavailable
 
@@ -371,7 +371,7 @@ async def test_database_failure_at_commit_answers_503_and_reloads(
 
 
 async def test_a_command_cancelled_mid_commit_leaves_no_stale_cell(
-    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+    runtime: Process, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await open_room(runtime, "r1")
     real_save = runtime.store.save_mutation

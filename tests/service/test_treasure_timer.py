@@ -14,9 +14,9 @@ from tests.service.conftest import Clock, RuntimeFactory
 from tests.service.helpers import APP, count, run
 
 from roomservice import errors
+from roomservice.bootstrap import Process
 from roomservice.domain import commands as c
 from roomservice.domain.events import Event, RoomTreasureCountdownStarted, RoomUserJoined
-from roomservice.runtime import Runtime
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.timers.treasure import (
@@ -37,7 +37,7 @@ tt = t.treasure_timer
 # --------------------------------------------------------------------------- helpers
 
 
-async def start_countdown(rt: Runtime, room: str = "r1") -> Event:
+async def start_countdown(rt: Process, room: str = "r1") -> Event:
     """Open a room with bob, send a rocket past the first threshold; the committed countdown event."""
     await run(rt, room, f"{room}-create", c.CreateRoom(owner_id="owner", title="Room"))
     await run(rt, room, f"{room}-join-bob", c.JoinRoom(user_id="bob"))
@@ -87,7 +87,7 @@ async def set_fire_at(db: Database, room: str, box: str, fire_at_ms: int) -> Non
         )
 
 
-async def opened_rows(rt: Runtime, room: str = "r1") -> int:
+async def opened_rows(rt: Process, room: str = "r1") -> int:
     return await count(rt, t.room_outbox, t.room_outbox.c.room_id == room, t.room_outbox.c.event_type == OPENED)
 
 
@@ -112,7 +112,7 @@ class Recorder:
         return {"events": []}
 
 
-# --------------------------------------------------------------------------- end to end on a Runtime
+# --------------------------------------------------------------------------- end to end on a Process
 
 
 async def test_countdown_survives_restart_and_opens_once(runtime_factory: RuntimeFactory, clock: Clock) -> None:
@@ -140,7 +140,7 @@ async def test_countdown_survives_restart_and_opens_once(runtime_factory: Runtim
         assert await timer.fire_due(rt.service.execute) == FireReport()
 
 
-async def test_too_early_is_rescheduled_at_open_at(runtime: Runtime, clock: Clock) -> None:
+async def test_too_early_is_rescheduled_at_open_at(runtime: Process, clock: Clock) -> None:
     event = await start_countdown(runtime)
     payload = event.payload
     assert isinstance(payload, RoomTreasureCountdownStarted)
@@ -159,7 +159,7 @@ async def test_too_early_is_rescheduled_at_open_at(runtime: Runtime, clock: Cloc
     assert await opened_rows(runtime) == 1
 
 
-async def test_duplicate_wakeups_are_noops(runtime: Runtime, clock: Clock) -> None:
+async def test_duplicate_wakeups_are_noops(runtime: Process, clock: Clock) -> None:
     event = await start_countdown(runtime)
     payload = event.payload
     assert isinstance(payload, RoomTreasureCountdownStarted)
@@ -182,7 +182,7 @@ async def test_duplicate_wakeups_are_noops(runtime: Runtime, clock: Clock) -> No
     assert (await runtime.service.room(APP, "r1"))["treasure"]["level"] == 1
 
 
-async def test_closed_room_wakeup_fires_as_noop(runtime: Runtime, clock: Clock) -> None:
+async def test_closed_room_wakeup_fires_as_noop(runtime: Process, clock: Clock) -> None:
     event = await start_countdown(runtime)
     payload = event.payload
     assert isinstance(payload, RoomTreasureCountdownStarted)

@@ -62,10 +62,10 @@ def serve(
 async def _serve(settings: Settings, *, host: str, port: int, token: str, data_dir: Path) -> None:
     from roomservice.api.app import ApiContext, create_app
     from roomservice.observability.logging import get_logger
-    from roomservice.runtime import Runtime
+    from roomservice.bootstrap import Process
 
     log = get_logger("roomservice.cli")
-    async with Runtime.running(settings) as runtime:
+    async with Process.running(settings) as runtime:
         api = create_app(
             ApiContext(
                 service=runtime.service,
@@ -111,13 +111,13 @@ async def _work(settings: Settings) -> None:
     import signal
 
     from roomservice.observability.logging import get_logger
-    from roomservice.runtime import Runtime
+    from roomservice.bootstrap import WORKER_ROLES, Process
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with Runtime.running(settings):
+    async with Process.running(settings, roles=WORKER_ROLES):
         get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
         await stop.wait()
 

@@ -1,0 +1,14 @@
+"""Composition by role: a small core plus one builder per role; ``Process`` composes the roles a process runs.
+
+core         settings, database, clock, health checks, background tasks
+commands     the command pipeline: store, leases, Room Cells, wallet, projections, RoomService
+direct       the direct-mode targets (Tencent IM, activity) and the in-process services they talk to
+outbox       the outbox worker and its publishers (needs no cells)
+timers       the durable treasure timer's runner (needs the command pipeline to open boxes)
+maintenance  retention sweeps, command-log pruning, wallet reconciliation, backlog metrics
+process      ``Process.running(settings, roles=...)``: what ``serve`` and ``worker`` start
+"""
+
+from roomservice.bootstrap.process import API, MAINTENANCE, OUTBOX, SERVE_ROLES, TIMERS, WORKER_ROLES, Process
+
+__all__ = ["API", "MAINTENANCE", "OUTBOX", "SERVE_ROLES", "TIMERS", "WORKER_ROLES", "Process"]

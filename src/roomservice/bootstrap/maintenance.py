@@ -1,0 +1,88 @@
+"""The maintenance role: retention sweeps, command-log pruning, wallet reconciliation and backlog metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from roomservice.admin.operations import OutboxAdmin
+from roomservice.bootstrap.commands import Commands
+from roomservice.bootstrap.core import Core, ms
+from roomservice.leases.maintenance import DatabaseMaintenanceLock
+from roomservice.observability.logging import get_logger
+from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS
+from roomservice.outbox.retention import RetentionSweeper
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.timers.treasure import DatabaseTreasureTimer
+from roomservice.wallet.reconcile import Reconciler
+
+_log = get_logger("roomservice.maintenance")
+
+
+@dataclass(slots=True)
+class Maintenance:
+    retention: RetentionSweeper
+    reconciler: Reconciler
+    commands: Commands
+    outbox_admin: OutboxAdmin
+
+    def start(self, core: Core) -> None:
+        core.spawn("outbox-retention", self.retention.run(interval_s=60.0))
+        core.spawn("command-log-retention", self._prune_command_log(core, interval_s=300.0))
+        core.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
+        core.spawn(
+            "wallet-reconcile", self.reconciler.run(interval_s=core.settings.wallet.reconcile_interval.total_seconds())
+        )
+
+    async def _prune_command_log(self, core: Core, *, interval_s: float, batch_size: int = 1000) -> None:
+        """Drop idempotency records older than room.idempotency_retention, in bounded batches."""
+        retention_ms = ms(core.settings.room.idempotency_retention)
+        store = self.commands.store
+        while True:
+            try:
+                before = core.clock() - retention_ms
+                for _ in range(100):  # bounded per pass; the next pass continues
+                    if await store.prune_command_log(before_ms=before, batch_size=batch_size) < batch_size:
+                        break
+            except Exception as exc:
+                _log.warning("command_log_prune_failed", error=repr(exc))
+            await asyncio.sleep(interval_s)
+
+    async def _sample_backlog(self, *, interval_s: float) -> None:
+        while True:
+            try:
+                stats = await self.outbox_admin.stats()
+                for status, count in stats.counts.items():
+                    OUTBOX_BACKLOG.labels(status).set(count)
+                OUTBOX_OLDEST_PENDING_SECONDS.set((stats.oldest_pending_age_ms or 0) / 1000)
+            except Exception as exc:
+                _log.warning("outbox_backlog_sample_failed", error=repr(exc))
+            await asyncio.sleep(interval_s)
+
+
+def build_maintenance(
+    core: Core,
+    *,
+    commands: Commands,
+    repository: SqlOutboxRepository,
+    timer: DatabaseTreasureTimer,
+    outbox_admin: OutboxAdmin,
+) -> Maintenance:
+    settings = core.settings
+    outbox = settings.outbox_worker
+    retention = RetentionSweeper(
+        DatabaseMaintenanceLock(core.db),
+        [repository.delete_delivered, timer.purge_fired],
+        retention_ms=ms(outbox.delivered_retention),
+        batch_size=outbox.retention_batch_size,
+        clock=core.clock,
+    )
+    reconciler = Reconciler(
+        journal=commands.journal,
+        wallet=commands.wallet,
+        store=commands.store,
+        reconcile_after_ms=ms(settings.wallet.reconcile_after),
+        clock=core.clock,
+        room_turn=commands.registry.holding,
+    )
+    return Maintenance(retention=retention, reconciler=reconciler, commands=commands, outbox_admin=outbox_admin)

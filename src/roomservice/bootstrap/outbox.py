@@ -1,0 +1,59 @@
+"""The outbox role: the worker and its publishers. It needs no Room Cells, reconciler or projections."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from roomservice.bootstrap.core import Core, alive_check, ms
+from roomservice.bootstrap.direct import DirectTargets, build_direct_targets
+from roomservice.outbox.model import TREASURE_WAKEUP, PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.port import Publisher, PublisherSet
+from roomservice.publishers.treasure_wakeup import TreasureWakeupPublisher
+from roomservice.timers.port import TreasureScheduler
+
+
+async def build_outbox_worker(
+    core: Core,
+    *,
+    owner: str,
+    repository: SqlOutboxRepository,
+    scheduler: TreasureScheduler,
+    publishers: Mapping[str, Publisher],
+) -> tuple[OutboxWorker, DirectTargets]:
+    """The worker with every target its publish mode needs; ``publishers`` add or replace targets (tests)."""
+    outbox = core.settings.outbox_worker
+    mode = PublishMode(outbox.publish_mode)
+    direct = DirectTargets()
+    if mode in (PublishMode.DIRECT, PublishMode.DUAL):
+        direct = await build_direct_targets(core, skip=frozenset(publishers))
+    targets: dict[str, Publisher] = {TREASURE_WAKEUP: TreasureWakeupPublisher(scheduler), **direct.publishers}
+    targets.update(publishers)
+    worker = OutboxWorker(
+        repository=repository,
+        publishers=PublisherSet(targets),
+        policy=RetryPolicy(
+            initial_backoff_ms=ms(outbox.initial_backoff),
+            max_backoff_ms=ms(outbox.max_backoff),
+            max_retry_count=outbox.max_retry_count,
+            jitter=outbox.jitter,
+        ),
+        options=WorkerOptions(
+            mode=mode,
+            batch_size=outbox.batch_size,
+            poll_interval_s=outbox.poll_interval.total_seconds(),
+            publish_timeout_s=outbox.publish_timeout.total_seconds(),
+            lock_timeout_s=outbox.lock_timeout.total_seconds(),
+            publish_concurrency=outbox.publish_concurrency,
+        ),
+        clock=core.clock,
+        owner=owner,
+    )
+    return worker, direct
+
+
+def start_outbox_worker(core: Core, worker: OutboxWorker) -> None:
+    core.track(worker.start())
+    core.health.register("outbox_worker", alive_check("outbox worker", lambda: worker.alive))

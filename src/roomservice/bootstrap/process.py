@@ -1,0 +1,236 @@
+"""``Process``: the roles one room-service process runs, built from Settings, started and stopped together.
+
+``serve`` runs every role (the outbox worker when ``outbox_worker.enabled``);
+``worker`` runs the outbox, timers and maintenance roles without HTTP. Tests
+start the same roles, built the same way; ``loops=False`` only leaves the
+background loops unstarted for tests that drive them by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Final
+
+from roomservice.activity.service import RunningActivityService
+from roomservice.admin.operations import OutboxAdmin
+from roomservice.bootstrap.commands import Commands, build_commands
+from roomservice.bootstrap.core import Core
+from roomservice.bootstrap.direct import DirectTargets
+from roomservice.bootstrap.maintenance import Maintenance, build_maintenance
+from roomservice.bootstrap.outbox import build_outbox_worker, start_outbox_worker
+from roomservice.cell.registry import CellRegistry
+from roomservice.clock import wall_clock_ms
+from roomservice.config import Settings
+from roomservice.health import HealthChecks
+from roomservice.integrations.im_sandbox.server import RunningSandbox
+from roomservice.leases.port import LeaseManager
+from roomservice.observability.logging import get_logger
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, new_owner
+from roomservice.publishers.port import Publisher
+from roomservice.service import RoomService
+from roomservice.store.database import Database
+from roomservice.store.migrate import opened_database
+from roomservice.store.sql import SqlRoomStore
+from roomservice.timers.treasure import DatabaseTreasureTimer, TreasureTimerRunner
+from roomservice.wallet.port import Wallet
+from roomservice.wallet.reconcile import Reconciler
+
+_log = get_logger("roomservice.bootstrap")
+
+API: Final = "api"  # the command pipeline and the admin operations behind HTTP (and later gRPC)
+OUTBOX: Final = "outbox"  # the outbox worker and its publishers
+TIMERS: Final = "timers"  # fires due treasure wake-ups through the command pipeline
+MAINTENANCE: Final = "maintenance"  # retention, command-log pruning, reconciliation, backlog metrics
+ROLES: Final = frozenset({API, OUTBOX, TIMERS, MAINTENANCE})
+SERVE_ROLES: Final = ROLES
+WORKER_ROLES: Final = frozenset({OUTBOX, TIMERS, MAINTENANCE})
+
+
+@dataclass(slots=True)
+class Process:
+    core: Core
+    roles: frozenset[str]
+    commands: Commands | None = None
+    outbox_admin: OutboxAdmin | None = None
+    worker: OutboxWorker | None = None
+    direct: DirectTargets | None = None
+    treasure_timer: DatabaseTreasureTimer | None = None
+    timer_runner: TreasureTimerRunner | None = None
+    maintenance: Maintenance | None = None
+
+    # ------------------------------------------------------------------ the parts, by name
+
+    @property
+    def settings(self) -> Settings:
+        return self.core.settings
+
+    @property
+    def db(self) -> Database:
+        return self.core.db
+
+    @property
+    def health(self) -> HealthChecks:
+        return self.core.health
+
+    @property
+    def service(self) -> RoomService:
+        return self._commands().service
+
+    @property
+    def store(self) -> SqlRoomStore:
+        return self._commands().store
+
+    @property
+    def registry(self) -> CellRegistry:
+        return self._commands().registry
+
+    @property
+    def leases(self) -> LeaseManager:
+        return self._commands().leases
+
+    @property
+    def wallet(self) -> Wallet:
+        return self._commands().wallet
+
+    @property
+    def reconciler(self) -> Reconciler:
+        if self.maintenance is None:
+            raise LookupError(f"this process runs no {MAINTENANCE} role")
+        return self.maintenance.reconciler
+
+    @property
+    def sandbox(self) -> RunningSandbox | None:
+        return self.direct.sandbox if self.direct else None
+
+    @property
+    def activity_service(self) -> RunningActivityService | None:
+        return self.direct.activity_service if self.direct else None
+
+    def _commands(self) -> Commands:
+        if self.commands is None:
+            raise LookupError(f"no role of this process needs the command pipeline ({sorted(self.roles)})")
+        return self.commands
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    @asynccontextmanager
+    async def running(
+        cls,
+        settings: Settings,
+        *,
+        roles: Iterable[str] = SERVE_ROLES,
+        clock: Callable[[], int] = wall_clock_ms,
+        wallet: Wallet | None = None,
+        publishers: Mapping[str, Publisher] | None = None,
+        loops: bool = True,
+    ) -> AsyncIterator[Process]:
+        """Build and start ``roles``; stop everything on exit.
+
+        ``wallet`` replaces the configured wallet and ``publishers`` adds or
+        replaces delivery targets (tests); ``loops=False`` builds the same
+        parts but starts no background loop.
+        """
+        chosen = frozenset(roles)
+        unknown = chosen - ROLES
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}; known: {sorted(ROLES)}")
+        if not settings.outbox_worker.enabled:
+            chosen -= {OUTBOX}
+        database = settings.database
+        async with (
+            opened_database(
+                database.connect_url(),
+                migrate=database.auto_migrate,
+                pool_size=database.pool_size,
+                max_overflow=database.max_overflow,
+                echo=database.echo,
+            ) as db,
+            AsyncExitStack() as stack,
+        ):
+            core = Core(settings=settings, db=db, clock=clock, stack=stack)
+            process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {})
+            if loops:
+                process._start()
+            _log.info(
+                "process_started",
+                roles=sorted(chosen),
+                database=db.dialect_name,
+                publish_mode=settings.outbox_worker.publish_mode,
+                targets=sorted(process.worker.publishers.names) if process.worker else [],
+            )
+            try:
+                yield process
+            finally:
+                await process._stop()
+
+    @classmethod
+    async def _build(
+        cls, core: Core, roles: frozenset[str], *, wallet: Wallet | None, publishers: Mapping[str, Publisher]
+    ) -> Process:
+        process = cls(core=core, roles=roles)
+        core.health.register("database", SqlRoomStore(core.db).ping)
+        if roles & {API, TIMERS, MAINTENANCE}:
+            process.commands = await build_commands(core, wallet=wallet)
+        owner = new_owner()
+        repository = SqlOutboxRepository(core.db)
+        if roles & {OUTBOX, TIMERS, MAINTENANCE}:
+            process.treasure_timer = DatabaseTreasureTimer(core.db, clock=core.clock, owner=owner)
+        if OUTBOX in roles:
+            assert process.treasure_timer is not None
+            process.worker, process.direct = await build_outbox_worker(
+                core, owner=owner, repository=repository, scheduler=process.treasure_timer, publishers=publishers
+            )
+            if process.commands is not None:
+                process.commands.service.on_outbox_commit.append(process.worker.wake)
+                if process.direct.im is not None:  # CreateRoom creates the group synchronously too
+                    process.commands.service.groups = process.direct.im
+        worker = process.worker
+        process.outbox_admin = OutboxAdmin(core.db, clock=core.clock, on_requeued=worker.wake if worker else None)
+        if TIMERS in roles:
+            assert process.treasure_timer is not None and process.commands is not None
+            process.timer_runner = TreasureTimerRunner(
+                process.treasure_timer,
+                process.commands.service.execute,
+                idle_s=core.settings.outbox_worker.poll_interval.total_seconds(),
+            )
+            process.treasure_timer.on_scheduled = process.timer_runner.wake
+        if MAINTENANCE in roles:
+            assert process.commands is not None and process.treasure_timer is not None
+            process.maintenance = build_maintenance(
+                core,
+                commands=process.commands,
+                repository=repository,
+                timer=process.treasure_timer,
+                outbox_admin=process.outbox_admin,
+            )
+        return process
+
+    def _start(self) -> None:
+        core = self.core
+        if self.worker is not None:
+            start_outbox_worker(core, self.worker)
+        if self.timer_runner is not None:
+            core.spawn("treasure-timer", self.timer_runner.run())
+        if self.commands is not None:
+            self.commands.start(core)
+        if self.maintenance is not None:
+            self.maintenance.start(core)
+
+    async def _stop(self) -> None:
+        if self.timer_runner is not None:
+            self.timer_runner.stop()
+        try:
+            if self.worker is not None:
+                # hands unfinished claims back so another process can take them at once
+                await self.worker.shutdown(grace_s=self.settings.outbox_worker.publish_timeout.total_seconds())
+        except Exception as exc:  # the claims then wait out their lease; stopping goes on
+            _log.warning("outbox_claims_not_released", error=repr(exc))
+        finally:
+            await self.core.cancel_tasks()
+            if self.commands is not None:
+                await self.commands.stop()
+            _log.info("process_stopped", roles=sorted(self.roles))
