@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from structlog.contextvars import bound_contextvars
+
 from roomservice import errors
 from roomservice.cell.cell import RoomCell
 from roomservice.cell.registry import CellRegistry
@@ -97,6 +99,19 @@ class RoomService:
         """Run one write command; returns the response body or raises RoomServiceError."""
         timing = CommandTiming(command=command.name, app_code=app_code, room_id=room_id, command_id=command_id)
         total = Stopwatch()
+        # every line logged while this command runs names it (structlog merges contextvars)
+        with bound_contextvars(app_code=app_code, room_id=room_id, command_id=command_id):
+            return await self._timed(app_code, room_id, command_id, command, timing, total)
+
+    async def _timed(
+        self,
+        app_code: str,
+        room_id: str,
+        command_id: str,
+        command: c.Command,
+        timing: CommandTiming,
+        total: Stopwatch,
+    ) -> dict[str, Any]:
         try:
             try:
                 body = await self._execute(app_code, room_id, command_id, command, timing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 from tests.service.conftest import Clock, RuntimeFactory
 from tests.service.helpers import APP, count, logged_versions, outbox_rows, run
@@ -12,6 +13,7 @@ from tests.service.helpers import APP, count, logged_versions, outbox_rows, run
 from roomservice import errors
 from roomservice.bootstrap import Process
 from roomservice.domain import commands as c
+from roomservice.observability.logging import get_logger
 from roomservice.store import tables as t
 from roomservice.wallet.fake import FakeWallet
 
@@ -188,9 +190,7 @@ async def test_reconciliation_refunds_orphan_debits_only(
 
 async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Process) -> None:
     await open_room(runtime)
-    bodies = await asyncio.gather(
-        *(run(runtime, "r1", f"join-{i}", c.JoinRoom(user_id=f"user{i}")) for i in range(50))
-    )
+    bodies = await asyncio.gather(*(run(runtime, "r1", f"join-{i}", c.JoinRoom(user_id=f"user{i}")) for i in range(50)))
     assert sorted(b["version"] for b in bodies) == list(range(2, 52))
     assert await logged_versions(runtime, "r1") == list(range(1, 52))
     view = await runtime.service.room(APP, "r1")
@@ -220,9 +220,7 @@ async def test_lost_lease_answers_retry(runtime: Process) -> None:
     assert (await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob")))["version"] == 2
 
 
-async def test_recovery_from_snapshot_and_log_equals_live_state(
-    runtime_factory: RuntimeFactory, clock: Clock
-) -> None:
+async def test_recovery_from_snapshot_and_log_equals_live_state(runtime_factory: RuntimeFactory, clock: Clock) -> None:
     async with runtime_factory(**{"room.snapshot_every_n": 7}) as rt:
         await open_room(rt, "r1")
         for i in range(30):
@@ -267,6 +265,20 @@ async def test_projection_failure_never_fails_a_command(runtime: Process, monkey
         body = await run(runtime, "r1", "c1", c.CreateRoom(owner_id="owner", title="x"))
     assert body["version"] == 1
     assert any(entry["event"] == "projection_failed" for entry in logs)
+
+
+async def test_lines_logged_inside_a_command_name_it(runtime: Process, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def unavailable(*args: object) -> None:
+        raise RuntimeError("projection store unavailable")
+
+    monkeypatch.setattr(runtime.service.projections, "room_changed", unavailable)
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        await run(runtime, "r1", "c1", c.CreateRoom(owner_id="owner", title="x"))
+    failed = next(entry for entry in logs if entry["event"] == "projection_failed")
+    assert (failed["app_code"], failed["room_id"], failed["command_id"]) == (APP, "r1", "c1")
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        get_logger("test").info("after")
+    assert "command_id" not in logs[0]  # unbound once the command is answered
 
 
 async def test_room_list_and_presence_follow_commits(runtime: Process) -> None:
