@@ -5,8 +5,8 @@
                              [--older-than 10m] [--newer-than 1h] [--error TEXT]
                              [--limit N] [--after-id ID] [--json]
     room-service outbox show EVENT_ID [--json]
-    room-service outbox replay EVENT_ID... [--as-repair] [--json]
-    room-service outbox replay --status failed [filters] [--as-repair] [--yes] [--json]
+    room-service outbox replay EVENT_ID... [--as-repair [--target T]...] [--json]
+    room-service outbox replay --status failed [filters] [--as-repair [--target T]...] [--yes] [--json]
 
 Every command takes ``--config`` and ``--data-dir`` like ``serve`` and opens
 the configured database itself (migrating it first when
@@ -43,6 +43,7 @@ from roomservice.admin.operations import (
     OutboxRowView,
     OutboxStats,
     ReplayReport,
+    repair_targets,
 )
 from roomservice.cli.options import ConfigOpt, DataDirOpt, settings_from_options
 from roomservice.clock import wall_clock_ms
@@ -218,6 +219,16 @@ def replay_command(
     as_repair: Annotated[
         bool, typer.Option("--as-repair", help="Write a new repair event (new event_id) instead of requeuing.")
     ] = False,
+    targets: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--target",
+            "-t",
+            help="With --as-repair: send the repair to this target only (repeat, or comma-separate): "
+            "im, activity, broker, treasure_wakeup. Default: the targets the original had not reached.",
+            show_default=False,
+        ),
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Bulk replay without asking.")] = False,
     as_json: JsonOpt = False,
     config: ConfigOpt = None,
@@ -225,10 +236,20 @@ def replay_command(
 ) -> None:
     """Requeue failed rows under their own event_id (or, with --as-repair, as new repair events)."""
     has_filters = any(v is not None for v in (event_type, app, room, older_than, newer_than, error))
+    if targets and not as_repair:
+        _fail("--target applies to --as-repair only: a plain replay sends what the row has not delivered")
+    try:
+        chosen = repair_targets(targets, as_repair=as_repair)
+    except errors.InvalidArgument as exc:
+        _fail(f"--target: {exc.message}")
     if event_ids:
         if status is not None or has_filters:
             _fail("give either EVENT_ID... or --status failed with filters, not both")
-        report = _run(config, data_dir, lambda admin: admin.replay(event_ids, actor=_actor(), as_repair=as_repair))
+        report = _run(
+            config,
+            data_dir,
+            lambda admin: admin.replay(event_ids, actor=_actor(), as_repair=as_repair, targets=chosen),
+        )
         _finish_replay(report, as_json=as_json, bulk=False)
         return
     if status is None:
@@ -236,16 +257,22 @@ def replay_command(
     if status.strip() != "failed":
         _fail(f"replay takes only --status failed (dead letters), not {status!r}")
     flt = _filter(["failed"], event_type, app, room, older_than, newer_than, error)
-    report = _run(config, data_dir, lambda admin: _bulk_replay(admin, flt, as_repair=as_repair, yes=yes))
+    report = _run(
+        config, data_dir, lambda admin: _bulk_replay(admin, flt, as_repair=as_repair, targets=chosen, yes=yes)
+    )
     _finish_replay(report, as_json=as_json, bulk=True)
 
 
-async def _bulk_replay(admin: OutboxAdmin, flt: OutboxFilter, *, as_repair: bool, yes: bool) -> ReplayReport:
+async def _bulk_replay(
+    admin: OutboxAdmin, flt: OutboxFilter, *, as_repair: bool, targets: frozenset[str] | None, yes: bool
+) -> ReplayReport:
     matching = await admin.count(flt)
     if matching == 0:
-        return ReplayReport(as_repair=as_repair)
+        return ReplayReport(as_repair=as_repair, targets=targets)
     if not yes:
         what = "write repair events for" if as_repair else "replay"
+        if targets is not None:
+            what += f" (to {', '.join(sorted(targets))} only)"
         if not typer.confirm(f"{what} {matching} failed row(s)?", default=False, err=True):
             _fail("aborted: nothing was replayed", 1)
     with Progress(
@@ -260,7 +287,7 @@ async def _bulk_replay(admin: OutboxAdmin, flt: OutboxFilter, *, as_repair: bool
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        return await admin.replay_matching(flt, actor=_actor(), as_repair=as_repair, progress=progress)
+        return await admin.replay_matching(flt, actor=_actor(), as_repair=as_repair, targets=targets, progress=progress)
 
 
 # --------------------------------------------------------------------------- output

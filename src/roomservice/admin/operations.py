@@ -83,6 +83,7 @@ __all__ = [
     "ReplayOutcome",
     "ReplayReport",
     "parse_repair_targets",
+    "repair_targets",
 ]
 
 ALL_STATUSES: Final[tuple[str, ...]] = tuple(s.value for s in Status)
@@ -608,7 +609,7 @@ class OutboxAdmin:
         _check_batch_size(batch_size)
         ids = list(dict.fromkeys(event_ids))
         actor = _actor(actor)
-        chosen = _repair_targets(targets, as_repair)
+        chosen = repair_targets(targets, as_repair=as_repair)
         report = ReplayReport(as_repair=as_repair, targets=chosen)
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
@@ -635,7 +636,7 @@ class OutboxAdmin:
         for :meth:`replay`.
         """
         _check_batch_size(batch_size)
-        chosen = _repair_targets(targets, as_repair)
+        chosen = repair_targets(targets, as_repair=as_repair)
         flt = filter or OutboxFilter()
         if any(s != _FAILED for s in flt.statuses):
             raise errors.InvalidArgument("replay only takes failed rows: the status filter must be 'failed'")
@@ -708,7 +709,8 @@ class _Mode:
     targets: frozenset[str] | None = None
 
 
-def _repair_targets(targets: Iterable[str] | None, as_repair: bool) -> frozenset[str] | None:
+def repair_targets(targets: Iterable[str] | None, *, as_repair: bool) -> frozenset[str] | None:
+    """The validated targets of a replay: :func:`parse_repair_targets`, and only for a repair."""
     chosen = parse_repair_targets(targets)
     if chosen is not None and not as_repair:
         raise errors.InvalidArgument(
