@@ -9,7 +9,12 @@ from roomservice.publishers.port import PermanentError, RetryableError
 
 
 class FakePublisher:
-    """A scriptable publisher for tests: succeed, fail N times, fail permanently, or hang."""
+    """A scriptable publisher for tests: succeed, fail N times, fail permanently, or hang.
+
+    ``hang`` ignores the deadline (a misbehaving publisher, for the worker's own bound);
+    ``unresponsive`` is a peer that never answers, seen by a well-behaved publisher: it
+    waits out the deadline and raises :class:`RetryableError`, as a deadline already
+    passed does at once."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -18,6 +23,7 @@ class FakePublisher:
         self.fail_times = 0  # retryable failures before the first success
         self.permanent = False
         self.hang = False
+        self.unresponsive = False
         self.down = False
         self._seen: set[str] = set()
         self.called = asyncio.Event()
@@ -27,6 +33,12 @@ class FakePublisher:
         self.called.set()
         if self.hang:
             await asyncio.sleep(3600)
+        loop = asyncio.get_running_loop()
+        if self.unresponsive:
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            raise RetryableError(f"{self.name} did not answer before the deadline")
+        if loop.time() >= deadline:
+            raise RetryableError(f"{self.name}: the deadline passed before sending")
         if self.permanent:
             raise PermanentError(f"{self.name} rejects {event.type}")
         if self.down:
