@@ -9,7 +9,14 @@ Pipeline of :func:`load_settings`:
 3. validate with pydantic models that forbid unknown keys; every failure
    becomes one :class:`ConfigError` naming each offending dotted key
    (``outbox_worker.poll_interval must be > 0``, ``gifts[1].price must be > 0``,
-   ``unknown key: room.seat_cuont``).
+   ``unknown key: room.seat_cuont``);
+4. refuse a choice whose feature is not built yet (one row each in
+   :data:`NOT_YET_AVAILABLE`: ``lease.driver: redis``, a broker, ``publish_mode:
+   mq``...), naming the key, before any check that combines those choices.
+
+No key is validated and then ignored: it takes effect, fails at step 4, or is
+*inactive* under the chosen drivers (:data:`INACTIVE_RULES`, :func:`inactive_keys`;
+``room-service config check`` lists them; docs/configuration.md documents every key).
 
 The ``rocketmq`` and ``outbox_worker`` blocks have exactly the seed's keys and
 defaults (plus our documented ``outbox_worker`` additions), so the seed's YAML
@@ -24,8 +31,10 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from fnmatch import fnmatchcase
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
@@ -214,12 +223,8 @@ class RocketMQConfig(_Block):
     retry: Int = Field(default=2, ge=0)
     room_outbox: RoomOutboxMQConfig = RoomOutboxMQConfig()
     treasure_open: TreasureOpenMQConfig = TreasureOpenMQConfig()
-
-    @model_validator(mode="after")
-    def _check(self) -> RocketMQConfig:
-        if self.enabled and not self.name_servers and not self.name_server_domain:
-            _fail("must not be empty when rocketmq.enabled is true (or set name_server_domain)", "name_servers")
-        return self
+    # The check that name_servers is set when enabled lives in Settings._check, after
+    # the not-yet-available choices: ``enabled: true`` is one of them today.
 
 
 class OutboxWorkerConfig(_Block):
@@ -353,7 +358,7 @@ class AdminConfig(_Block):
 
 
 class LeaseConfig(_Block):
-    driver: Literal["memory", "redis"] = "memory"
+    driver: Literal["inprocess", "redis"] = "inprocess"
     ttl: PositiveDuration = _d("10s")
 
 
@@ -371,12 +376,6 @@ class BrokerConfig(_Block):
     driver: Literal["embedded", "nats", "rocketmq"] = "embedded"
     nats: NatsConfig = NatsConfig()
     embedded: EmbeddedBrokerConfig = EmbeddedBrokerConfig()
-
-    @model_validator(mode="after")
-    def _check(self) -> BrokerConfig:
-        if self.driver == "nats" and not self.nats.url:
-            _fail("must be set when broker.driver is nats", "nats.url")
-        return self
 
 
 class TencentIMConfig(_Block):
@@ -457,6 +456,15 @@ class Settings(_Block):
             if gift.id in seen:
                 _fail(f'duplicates "{gift.id}" (gifts[{seen[gift.id]}])', f"gifts[{i}].id")
             seen[gift.id] = i
+        unavailable = [row.problem() for row in NOT_YET_AVAILABLE if row.chosen_in(self)]
+        if unavailable:  # decisive: the checks below are about combinations of these choices
+            raise PydanticCustomError("config_unavailable", "{problems}", {"problems": tuple(unavailable)})
+        if self.rocketmq.enabled and not self.rocketmq.name_servers and not self.rocketmq.name_server_domain:
+            _fail(
+                "must not be empty when rocketmq.enabled is true (or set name_server_domain)", "rocketmq.name_servers"
+            )
+        if self.broker.driver == "nats" and not self.broker.nats.url:
+            _fail("must be set when broker.driver is nats", "broker.nats.url")
         broker_problem = self._broker_problem()
         if self.outbox_worker.publish_mode in ("mq", "dual"):
             mode = self.outbox_worker.publish_mode
@@ -514,6 +522,195 @@ class Settings(_Block):
         )
 
 
+# --------------------------------------------------------------------------- choices not built yet
+
+
+@dataclass(frozen=True, slots=True)
+class NotYetAvailable:
+    """A valid choice whose feature is not built yet: loading fails naming ``key``.
+
+    Delete the row in the change that builds the feature (and make its keys take effect)."""
+
+    key: str  # dotted key
+    value: object  # the choice that needs the missing feature
+    missing: str  # what is not built
+    instead: str  # what to write instead
+
+    def chosen_in(self, settings: Settings) -> bool:
+        return bool(setting(settings, self.key) == self.value)
+
+    def problem(self) -> str:
+        return f"{self.key}: {_show(self.value)} is not available yet ({self.missing}); {self.instead}"
+
+
+NOT_YET_AVAILABLE: tuple[NotYetAvailable, ...] = (
+    NotYetAvailable("rocketmq.enabled", True, "no RocketMQ client is built", "use false"),
+    NotYetAvailable(
+        "rocketmq.room_outbox.tencent_im_consumer_enabled",
+        True,
+        "the IM bridge consumer is not built",
+        "use false (with publish_mode direct the outbox worker delivers IM itself)",
+    ),
+    NotYetAvailable(
+        "rocketmq.treasure_open.enabled",
+        True,
+        "broker delay messages are not built",
+        "use false (treasure boxes open from the durable database timer)",
+    ),
+    NotYetAvailable("outbox_worker.publish_mode", "mq", "no broker publisher is built", "use 'direct'"),
+    NotYetAvailable("outbox_worker.publish_mode", "dual", "no broker publisher is built", "use 'direct'"),
+    NotYetAvailable("lease.driver", "redis", "scale-out is not built", "use 'inprocess'"),
+    NotYetAvailable("broker.driver", "nats", "no NATS JetStream broker is built", "use 'embedded'"),
+    NotYetAvailable("broker.driver", "rocketmq", "no RocketMQ broker is built", "use 'embedded'"),
+)
+
+
+def _show(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def setting(settings: Settings, key: str) -> object:
+    """The value of a dotted key, e.g. ``setting(s, "broker.nats.url")``."""
+    value: object = settings
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def setting_keys(model: type[BaseModel] = Settings, prefix: str = "") -> Iterator[str]:
+    """Every dotted key of the configuration, in declaration order (``gifts`` is one key)."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from setting_keys(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+# --------------------------------------------------------------------------- inactive keys
+
+
+def _broker_in_use(s: Settings) -> bool:
+    rocketmq = s.rocketmq
+    return (
+        s.outbox_worker.publish_mode in ("mq", "dual")
+        or rocketmq.treasure_open.enabled
+        or rocketmq.room_outbox.tencent_im_consumer_enabled
+    )
+
+
+def _publishes_outbox_to_broker(s: Settings) -> bool:
+    return s.outbox_worker.enabled and s.outbox_worker.publish_mode in ("mq", "dual")
+
+
+def _publishes_direct(s: Settings) -> bool:
+    return s.outbox_worker.enabled and s.outbox_worker.publish_mode in ("direct", "dual")
+
+
+@dataclass(frozen=True, slots=True)
+class InactiveRule:
+    """``keys`` (``fnmatch`` patterns of dotted keys, minus ``exclude``) do nothing when ``applies``."""
+
+    keys: tuple[str, ...]
+    applies: Callable[[Settings], bool]
+    reason: str
+    exclude: tuple[str, ...] = ()
+
+    def covers(self, key: str) -> bool:
+        return any(fnmatchcase(key, k) for k in self.keys) and key not in self.exclude
+
+
+INACTIVE_RULES: tuple[InactiveRule, ...] = (
+    InactiveRule(
+        ("broker.*",),
+        lambda s: not _broker_in_use(s),
+        "nothing uses a broker (outbox_worker.publish_mode is direct, rocketmq.treasure_open.enabled and "
+        "rocketmq.room_outbox.tencent_im_consumer_enabled are false)",
+    ),
+    InactiveRule(("broker.nats.*",), lambda s: s.broker.driver != "nats", "broker.driver is not nats"),
+    InactiveRule(("broker.embedded.*",), lambda s: s.broker.driver != "embedded", "broker.driver is not embedded"),
+    InactiveRule(
+        (
+            "rocketmq.name_servers",
+            "rocketmq.name_server_domain",
+            "rocketmq.access_key",
+            "rocketmq.secret_key",
+            "rocketmq.namespace",
+            "rocketmq.send_timeout",
+            "rocketmq.retry",
+        ),
+        lambda s: not (s.broker.driver == "rocketmq" and _broker_in_use(s)),
+        "RocketMQ connection keys: only the rocketmq broker driver uses them, when something uses the broker",
+    ),
+    InactiveRule(
+        ("rocketmq.room_outbox.enabled", "rocketmq.room_outbox.producer_group"),
+        lambda s: not _publishes_outbox_to_broker(s),
+        "only outbox_worker.publish_mode mq or dual publishes the outbox to the broker",
+    ),
+    InactiveRule(
+        ("rocketmq.room_outbox.topic",),
+        lambda s: not _publishes_outbox_to_broker(s) and not s.rocketmq.room_outbox.tencent_im_consumer_enabled,
+        "nothing publishes to or consumes the room_outbox topic (publish_mode is direct, no consumer is enabled)",
+    ),
+    InactiveRule(
+        ("rocketmq.room_outbox.tencent_im_consumer_group", "rocketmq.room_outbox.consumer_max_reconsume_times"),
+        lambda s: not s.rocketmq.room_outbox.tencent_im_consumer_enabled,
+        "no room_outbox consumer runs (rocketmq.room_outbox.tencent_im_consumer_enabled is false)",
+    ),
+    InactiveRule(
+        ("rocketmq.treasure_open.*",),
+        lambda s: not s.rocketmq.treasure_open.enabled,
+        "rocketmq.treasure_open.enabled is false: treasure boxes open from the durable database timer",
+        exclude=("rocketmq.treasure_open.enabled",),
+    ),
+    InactiveRule(("redis.*",), lambda s: s.lease.driver != "redis", "only lease.driver redis uses Redis"),
+    InactiveRule(("lease.ttl",), lambda s: s.lease.driver == "inprocess", "in-process leases never expire"),
+    InactiveRule(
+        (
+            "outbox_worker.publish_mode",
+            "outbox_worker.batch_size",
+            "outbox_worker.publish_timeout",
+            "outbox_worker.retry_strategy",
+            "outbox_worker.max_retry_count",
+            "outbox_worker.initial_backoff",
+            "outbox_worker.max_backoff",
+            "outbox_worker.lock_timeout",
+            "outbox_worker.publish_concurrency",
+            "outbox_worker.jitter",
+        ),
+        lambda s: not s.outbox_worker.enabled,
+        "outbox_worker.enabled is false: no worker claims outbox rows",
+    ),
+    InactiveRule(
+        ("tencent_im.*", "activity.target"),
+        lambda s: not _publishes_direct(s),
+        "the IM and activity publishers run only with outbox_worker.enabled and publish_mode direct or dual",
+    ),
+    InactiveRule(
+        ("tencent_im.*",),
+        lambda s: not s.tencent_im.enabled,
+        "tencent_im.enabled is false",
+        exclude=("tencent_im.enabled",),
+    ),
+    InactiveRule(("wallet.url", "wallet.api_key"), lambda s: s.wallet.driver != "http", "wallet.driver is not http"),
+    InactiveRule(
+        ("wallet.starting_balance",), lambda s: s.wallet.driver != "embedded", "wallet.driver is not embedded"
+    ),
+)
+
+
+def inactive_keys(settings: Settings) -> list[tuple[str, str]]:
+    """``(dotted key, why it does nothing)`` for every key that ``settings``' choices leave unused."""
+    out: list[tuple[str, str]] = []
+    for key in setting_keys():
+        for rule in INACTIVE_RULES:
+            if rule.covers(key) and rule.applies(settings):
+                out.append((key, rule.reason))
+                break
+    return out
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -567,7 +764,9 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_REF = re.compile(r"\$\$\{|\$\{([^}]*)\}|\$\{")
+# A default may hold one level of braces: ``{data_dir}`` or a nested ``${OTHER:-x}``,
+# which is expanded in turn (the environment's values never are).
+_REF = re.compile(r"\$\$\{|\$\{((?:[^{}]|\{[^{}]*\})*)\}|\$\{")
 _REF_BODY = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
 
 
@@ -595,7 +794,7 @@ def _expand(value: object, env: Mapping[str, str], path: str, problems: list[str
         if found:
             return found
         if default is not None:
-            return default
+            return _expand(default, env, path, problems) if "${" in default else default
         if found is None:
             problems.append(f"{path}: environment variable {name} is not set (use ${{{name}:-default}} if optional)")
         return ""
@@ -641,6 +840,9 @@ def _problems(exc: ValidationError) -> list[str]:
     for err in exc.errors():
         kind, ctx = err["type"], err.get("ctx") or {}
         path = _dotted(err["loc"], str(ctx.get("field", "")) if kind == "config" else "")
+        if kind == "config_unavailable":
+            out.extend(p for p in ctx["problems"] if p not in out)
+            continue
         if kind == "extra_forbidden":
             problem = f"unknown key: {path}"
         elif kind == "config":
