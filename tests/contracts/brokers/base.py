@@ -2,8 +2,9 @@
 
 A subclass provides the ``broker`` fixture (a ready :class:`Broker`); adapters
 whose test can stop and start the broker (a real process, or the database
-behind it) subclass :class:`DurableBrokerContract` and implement ``restart``. Names are unique per test, so adapters on shared servers
-(the shared NATS, the shared MariaDB) never see each other's messages.
+behind it) subclass :class:`DurableBrokerContract` and implement ``restart``.
+Names are unique per test, so adapters on shared servers (the shared NATS,
+the shared MariaDB) never see each other's messages.
 
 Times are short but real: visibility timeouts, delays and nack delays are
 observed by polling with a deadline, never by sleeping a fixed time.
