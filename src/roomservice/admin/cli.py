@@ -224,6 +224,7 @@ def replay_command(
         typer.Option(
             "--target",
             "-t",
+            metavar="TARGET",
             help="With --as-repair: send the repair to this target only (repeat, or comma-separate): "
             "im, activity, broker, treasure_wakeup. Default: the targets the original had not reached.",
             show_default=False,
