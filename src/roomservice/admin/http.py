@@ -63,7 +63,12 @@ class ReplayBody(BaseModel):
     filter: ReplayFilterBody | None = None
     as_repair: bool = False
     # repair only; names checked by OutboxAdmin (400 naming the valid ones)
-    targets: list[FilterText] | None = Field(default=None, max_length=16)
+    targets: list[FilterText] | None = Field(
+        default=None,
+        max_length=16,
+        description="as_repair only: send the repair to these targets (im, activity, broker, treasure_wakeup); "
+        "default: the targets the original had not reached",
+    )
 
     @model_validator(mode="after")
     def _ids_or_filter(self) -> ReplayBody:
