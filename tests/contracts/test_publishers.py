@@ -37,20 +37,23 @@ import sqlalchemy as sa
 
 from roomservice.activity.service import RunningActivityService, running_activity_service
 from roomservice.activity.store import ActivityStore
+from roomservice.brokers.fake import FakeBroker
 from roomservice.domain import events as e
 from roomservice.domain.commands import treasure_open_command_id
 from roomservice.domain.routing import Target, targets_of
 from roomservice.integrations.im_sandbox import RunningSandbox, running_sandbox
 from roomservice.integrations.tencent_im.client import TencentImClient
 from roomservice.publishers.activity import ActivityPublisher
+from roomservice.publishers.broker import BrokerPublisher
 from roomservice.publishers.fake import FakePublisher
 from roomservice.publishers.port import Publisher, RetryableError
 from roomservice.publishers.tencent_im import SentSteps, TencentImPublisher
 from roomservice.publishers.treasure_wakeup import TreasureWakeupPublisher
 from roomservice.store import tables as t
 from roomservice.store.database import Database
+from roomservice.timers.delay_message import DelayMessageScheduler, TreasureWakeup
 from roomservice.timers.treasure import DatabaseTreasureTimer
-from roomservice.wire import encode_event
+from roomservice.wire import decode_event, encode_event
 
 APP, ROOM, OWNER = "app1", "room-1", "alice"
 NOW_MS = 1_780_000_000_000
@@ -379,3 +382,114 @@ class TestTencentImPublisher(PublisherContract):
         async with blackhole() as port:
             async for pub in self._publisher_on(f"http://127.0.0.1:{port}", database):
                 yield pub
+
+
+# --------------------------------------------------------------------------- broker (mq/dual) and delay messages
+
+
+class BrokerPublisherContract(PublisherContract):
+    """The ``broker`` target is not in the routing table: mq/dual mode sends every routed event to it."""
+
+    def test_the_suite_event_is_routed_to_the_target(self, publisher: Publisher, event: e.Event) -> None:
+        assert targets_of(event.type)
+
+
+class TestBrokerPublisherOnTheFakeBroker(BrokerPublisherContract):
+    __test__ = True
+
+    @pytest.fixture
+    def broker(self) -> FakeBroker:
+        return FakeBroker()
+
+    @pytest.fixture
+    def publisher(self, broker: FakeBroker) -> BrokerPublisher:
+        return BrokerPublisher(broker, topic="hyapp_room_outbox")
+
+    @pytest.fixture
+    def event(self) -> e.Event:
+        return event_of(e.RoomGiftSent(OWNER, "bob", "rose", 1, 10, 10))
+
+    @pytest.fixture
+    def effects(self, broker: FakeBroker) -> Effects:
+        async def count(event: e.Event) -> int:
+            return sum(m.key == event.event_id for m in broker.published)
+
+        return count
+
+    @pytest.fixture
+    def down_publisher(self) -> BrokerPublisher:
+        broker = FakeBroker()
+        broker.down = True
+        return BrokerPublisher(broker, topic="hyapp_room_outbox")
+
+    @pytest.fixture
+    def hung_publisher(self) -> BrokerPublisher:
+        broker = FakeBroker()
+        broker.hang = True
+        return BrokerPublisher(broker, topic="hyapp_room_outbox")
+
+    async def test_the_message_carries_tag_key_sharding_key_and_the_envelope(
+        self, publisher: BrokerPublisher, broker: FakeBroker, event: e.Event
+    ) -> None:
+        await publish(publisher, event)
+        (sent,) = broker.published
+        assert (sent.topic, sent.tag, sent.key, sent.sharding_key) == (
+            "hyapp_room_outbox",
+            "RoomGiftSent",
+            event.event_id,
+            f"{APP}:{ROOM}",
+        )
+        assert decode_event(sent.body) == event
+
+
+class TestTreasureWakeupByDelayMessage(PublisherContract):
+    __test__ = True
+
+    @pytest.fixture
+    def broker(self) -> FakeBroker:
+        return FakeBroker()
+
+    @pytest.fixture
+    def publisher(self, broker: FakeBroker) -> TreasureWakeupPublisher:
+        return TreasureWakeupPublisher(
+            DelayMessageScheduler(broker, topic="hyapp_room_treasure_open", publish_timeout_s=5)
+        )
+
+    @pytest.fixture
+    def event(self) -> e.Event:
+        return countdown()
+
+    @pytest.fixture
+    def effects(self, broker: FakeBroker) -> Effects:
+        async def count(event: e.Event) -> int:
+            return len(broker.published)
+
+        return count
+
+    @pytest.fixture
+    def down_publisher(self) -> TreasureWakeupPublisher:
+        broker = FakeBroker()
+        broker.down = True
+        return TreasureWakeupPublisher(DelayMessageScheduler(broker, topic="t", publish_timeout_s=5))
+
+    @pytest.fixture
+    def hung_publisher(self) -> TreasureWakeupPublisher:
+        broker = FakeBroker()
+        broker.hang = True
+        return TreasureWakeupPublisher(DelayMessageScheduler(broker, topic="t", publish_timeout_s=5))
+
+    async def test_the_wakeup_is_held_until_open_at_and_carries_what_the_room_needs(
+        self, publisher: TreasureWakeupPublisher, broker: FakeBroker, event: e.Event
+    ) -> None:
+        await publish(publisher, event)
+        (sent,) = broker.published
+        assert isinstance(event.payload, e.RoomTreasureCountdownStarted)
+        assert sent.deliver_at_ms == event.payload.open_at_ms
+        assert TreasureWakeup.decode(sent.body) == TreasureWakeup(
+            app_code=APP,
+            room_id=ROOM,
+            box_id="box-1",
+            level=1,
+            open_at_ms=event.payload.open_at_ms,
+            command_id=treasure_open_command_id("box-1"),
+        )

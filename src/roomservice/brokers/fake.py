@@ -48,6 +48,7 @@ class FakeBroker:
 
     def __init__(self) -> None:
         self.down = False  # publish/fetch raise BrokerUnavailable while set
+        self.hang = False  # publish never answers while set (a broker that accepted the connection and went quiet)
         self.published: list[OutgoingMessage] = []  # every accepted publish, duplicates dropped
         self._messages: dict[str, list[_Message]] = {}
         self._keys: set[tuple[str, str]] = set()
@@ -62,6 +63,8 @@ class FakeBroker:
 
     async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
         self._check()
+        if self.hang:
+            await asyncio.Event().wait()
         if (message.topic, message.key) in self._keys:
             return next(m.message_id for m in self._messages[message.topic] if m.message.key == message.key)
         stored = _Message(str(next(self._ids)), message, int(time.time() * 1000))
@@ -170,7 +173,8 @@ class FakeBroker:
         )
 
     async def dead_letters(self, group: str, *, limit: int = 100) -> Sequence[DeadLetter]:
-        return list(self._groups[group].dead.values())[:limit]
+        g = self._groups.get(group)
+        return [] if g is None else list(g.dead.values())[:limit]
 
     async def replay_dead_letter(self, group: str, message_id: str) -> bool:
         g = self._groups[group]
@@ -183,7 +187,11 @@ class FakeBroker:
         return True
 
     async def group_stats(self, topic: str, group: str) -> GroupStats:
-        g = self._groups[group]
+        g = self._groups.get(group)
+        if g is None:  # not declared yet: it will receive what the topic holds
+            return GroupStats(
+                topic=topic, group=group, lag=len(self._messages.get(topic, [])), in_flight=0, dead_letters=0
+            )
         now = time.monotonic()
         in_flight = sum(1 for e in g.entries.values() if e.deliveries and e.visible_at > now)
         return GroupStats(topic=topic, group=group, lag=len(g.entries), in_flight=in_flight, dead_letters=len(g.dead))

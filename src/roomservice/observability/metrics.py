@@ -68,3 +68,33 @@ OUTBOX_BACKLOG = Gauge("room_outbox_rows", "Outbox rows by status (sampled)", ["
 OUTBOX_OLDEST_PENDING_SECONDS = Gauge(
     "room_outbox_oldest_pending_age_seconds", "Age of the oldest pending row (sampled)", registry=REGISTRY
 )
+
+
+# --------------------------------------------------------------------------- consumer groups
+
+CONSUMER_MESSAGES = Counter(
+    "room_consumer_messages_total",
+    "Deliveries handled by a consumer group, by outcome (applied, duplicate, failed, redeliver)",
+    ["group", "outcome"],
+    registry=REGISTRY,
+)
+CONSUMER_REDELIVERIES = Counter(
+    "room_consumer_redeliveries_total",
+    "Deliveries that were not a message's first (delivery_count > 1)",
+    ["group"],
+    registry=REGISTRY,
+)
+CONSUMER_HANDLE_SECONDS = Histogram(
+    "room_consumer_handle_seconds",
+    "Time one delivery took to handle",
+    ["group"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    registry=REGISTRY,
+)
+CONSUMER_LAG = Gauge(
+    "room_consumer_lag", "Messages a group has not acknowledged (sampled)", ["group"], registry=REGISTRY
+)
+CONSUMER_DEAD_LETTERS = Gauge(
+    "room_consumer_dead_letters", "Messages in a group's dead letter (sampled)", ["group"], registry=REGISTRY
+)
+BROKER_UP = Gauge("room_broker_up", "1 when the broker answered the last ping, else 0", registry=REGISTRY)

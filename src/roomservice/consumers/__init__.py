@@ -1,0 +1,1 @@
+"""Consumer groups on the broker: the runtime every group uses (``runtime``) and one module per group."""

@@ -1,0 +1,261 @@
+"""The consumer runtime: fetch a group's deliveries, hand each to the group's handler, ack or nack.
+
+Per delivery the handler decodes the message, skips what the group already
+processed (for effects in our database the processed record is written in
+the same transaction as the effect; for external effects an idempotency key
+from the event_id goes with the call and a sent record is written after
+success) and applies the rest. The runtime acks what the handler finished,
+nacks what failed with exponential backoff, and leaves the dead-lettering to
+the broker (``max_deliveries``), so the group moves on. Groups run as
+independent loops: one poison message holds up nothing but itself, and a
+broker or database outage makes a loop wait and retry, never die.
+
+One log line per failed delivery (``consumer_delivery_failed``), never more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from roomservice import errors
+from roomservice.brokers.port import Broker, Delivery
+from roomservice.observability import metrics as m
+from roomservice.observability.logging import get_logger
+from roomservice.outbox.policy import RetryPolicy
+
+_log = get_logger("roomservice.consumers")
+
+
+class Outcome(StrEnum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # the group had processed this event already: acked, nothing applied
+
+
+class Redeliver(errors.RoomServiceError):
+    """Not a failure: deliver this message again after ``delay_s`` (e.g. a treasure wake-up that came early)."""
+
+    code = "redeliver"
+    retryable = True
+
+    def __init__(self, delay_s: float, message: str | None = None) -> None:
+        super().__init__(message or f"redeliver in {delay_s:.3f}s")
+        self.delay_s = delay_s
+
+
+class Handler(Protocol):
+    """One consumer group's work. ``handle`` raises to fail the delivery (nacked with backoff)."""
+
+    group: str
+    topic: str
+
+    async def handle(self, delivery: Delivery) -> Outcome: ...
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOptions:
+    max_deliveries: int  # 1 + consumer_max_reconsume_times
+    batch_size: int = 32
+    concurrency: int = 8  # deliveries of one group handled at once
+    visibility_s: float = 30.0  # a delivery not acked by then comes back
+    wait_s: float = 1.0  # long-poll of one fetch
+    backoff: RetryPolicy = field(
+        default_factory=lambda: RetryPolicy(initial_backoff_ms=1000, max_backoff_ms=60_000, max_retry_count=1 << 30)
+    )
+
+
+@dataclass(slots=True)
+class GroupCounts:
+    applied: int = 0
+    duplicates: int = 0
+    failures: int = 0
+    redelivered: int = 0
+
+
+class GroupRunner:
+    """One group's loop: fetch, handle concurrently, ack/nack; survives broker and handler failures."""
+
+    def __init__(self, broker: Broker, handler: Handler, options: GroupOptions) -> None:
+        self.broker = broker
+        self.handler = handler
+        self.options = options
+        self.counts = GroupCounts()
+        self._stopping = asyncio.Event()
+        self._slots = asyncio.Semaphore(options.concurrency)
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._fetch_failures = 0
+
+    @property
+    def group(self) -> str:
+        return self.handler.group
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> asyncio.Task[None]:
+        self._task = asyncio.create_task(self._run(), name=f"consumer:{self.group}")
+        return self._task
+
+    async def _run(self) -> None:
+        opts = self.options
+        await self._declare()
+        _log.info("consumer_group_started", group=self.group, topic=self.handler.topic)
+        while not self._stopping.is_set():
+            free = max(1, min(opts.batch_size, opts.concurrency - len(self._in_flight)))
+            try:
+                deliveries = await self.broker.fetch(
+                    self.handler.topic,
+                    self.group,
+                    max_messages=free,
+                    wait_s=opts.wait_s,
+                    visibility_s=opts.visibility_s,
+                )
+                self._fetch_failures = 0
+            except Exception as exc:
+                await self._pause_after_fetch_failure(exc)
+                continue
+            for delivery in deliveries:
+                await self._slots.acquire()
+                task = asyncio.create_task(self._handle(delivery), name=f"consume:{self.group}:{delivery.key}")
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
+
+    async def _declare(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self.broker.declare_group(
+                    self.handler.topic, self.group, max_deliveries=self.options.max_deliveries
+                )
+                return
+            except Exception as exc:
+                await self._pause_after_fetch_failure(exc)
+
+    async def _pause_after_fetch_failure(self, exc: BaseException) -> None:
+        self._fetch_failures += 1
+        delay_s = min(5.0, 0.1 * 2 ** min(self._fetch_failures, 6))
+        if self._fetch_failures == 1 or self._fetch_failures % 20 == 0:  # no log flood during an outage
+            _log.warning("consumer_fetch_failed", group=self.group, failures=self._fetch_failures, error=repr(exc))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=delay_s)
+
+    async def _handle(self, delivery: Delivery) -> None:
+        group = self.group
+        started = time.perf_counter()
+        if delivery.delivery_count > 1:
+            self.counts.redelivered += 1
+            m.CONSUMER_REDELIVERIES.labels(group).inc()
+        try:
+            try:
+                outcome = await self.handler.handle(delivery)
+            except Redeliver as again:
+                m.CONSUMER_MESSAGES.labels(group, "redeliver").inc()
+                await self._settle(delivery, nack_delay_s=again.delay_s, reason=again.message)
+                return
+            except Exception as exc:
+                self.counts.failures += 1
+                m.CONSUMER_MESSAGES.labels(group, "failed").inc()
+                delay_s = self.options.backoff.backoff_ms(delivery.delivery_count) / 1000
+                last = delivery.delivery_count >= self.options.max_deliveries
+                _log.warning(
+                    "consumer_delivery_failed",
+                    group=group,
+                    key=delivery.key,
+                    tag=delivery.tag,
+                    delivery_count=delivery.delivery_count,
+                    dead_letter=last,
+                    retry_in_s=None if last else round(delay_s, 3),
+                    error=repr(exc),
+                )
+                await self._settle(delivery, nack_delay_s=delay_s, reason=f"{type(exc).__name__}: {exc}")
+                return
+            if outcome is Outcome.DUPLICATE:
+                self.counts.duplicates += 1
+            else:
+                self.counts.applied += 1
+            m.CONSUMER_MESSAGES.labels(group, outcome.value).inc()
+            await self._settle(delivery, nack_delay_s=None, reason="")
+        finally:
+            m.CONSUMER_HANDLE_SECONDS.labels(group).observe(time.perf_counter() - started)
+            self._slots.release()
+
+    async def _settle(self, delivery: Delivery, *, nack_delay_s: float | None, reason: str) -> None:
+        """Ack or nack; if the broker does not answer, the delivery comes back after its visibility timeout."""
+        try:
+            if nack_delay_s is None:
+                await self.broker.ack(delivery)
+            else:
+                await self.broker.nack(delivery, delay_s=nack_delay_s, reason=reason[:500])
+        except Exception as exc:
+            _log.warning(
+                "consumer_settle_failed", group=self.group, key=delivery.key, ack=nack_delay_s is None, error=repr(exc)
+            )
+
+    async def shutdown(self, *, grace_s: float) -> None:
+        """Stop fetching, let deliveries in flight finish for up to ``grace_s``, then cancel them
+        (a cancelled delivery is not acked: the broker redelivers it after its visibility timeout)."""
+        self._stopping.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=grace_s)
+            except TimeoutError:
+                self._task.cancel()
+            except Exception:
+                pass
+        pending = list(self._in_flight)
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=grace_s)
+            for task in still:
+                task.cancel()
+            await asyncio.gather(*still, return_exceptions=True)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        _log.info("consumer_group_stopped", group=self.group, **_counts(self.counts))
+
+
+class ConsumerRuntime:
+    """The groups this process consumes, each on its own loop."""
+
+    def __init__(self, broker: Broker, groups: Sequence[tuple[Handler, GroupOptions]]) -> None:
+        self.broker = broker
+        self.runners = [GroupRunner(broker, handler, options) for handler, options in groups]
+
+    @property
+    def alive(self) -> bool:
+        return all(r.alive for r in self.runners)
+
+    def start(self) -> list[asyncio.Task[None]]:
+        return [runner.start() for runner in self.runners]
+
+    def runner(self, group: str) -> GroupRunner:
+        return next(r for r in self.runners if r.group == group)
+
+    async def sample_stats(self) -> None:
+        """Refresh the lag and dead-letter gauges from the broker (best effort)."""
+        for runner in self.runners:
+            try:
+                stats = await self.broker.group_stats(runner.handler.topic, runner.group)
+            except Exception as exc:
+                _log.warning("consumer_stats_failed", group=runner.group, error=repr(exc))
+                continue
+            m.CONSUMER_LAG.labels(runner.group).set(stats.lag)
+            m.CONSUMER_DEAD_LETTERS.labels(runner.group).set(stats.dead_letters)
+
+    async def shutdown(self, *, grace_s: float) -> None:
+        await asyncio.gather(*(runner.shutdown(grace_s=grace_s) for runner in self.runners))
+
+
+def _counts(counts: GroupCounts) -> dict[str, int]:
+    return {
+        "applied": counts.applied,
+        "duplicates": counts.duplicates,
+        "failures": counts.failures,
+        "redelivered": counts.redelivered,
+    }

@@ -1,0 +1,57 @@
+"""The ``broker`` target (mq and dual modes): the ``room_outbox_event`` envelope to the outbox topic.
+
+Tag = event type, key = event_id (the broker's duplicate window and every
+consumer deduplicate on it), sharding key = the room (RocketMQ message group).
+The row's broker target succeeds only on the broker's durable acknowledgement
+within the attempt's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage
+from roomservice.domain.events import Event
+from roomservice.domain.routing import Target
+from roomservice.publishers.port import PermanentError, RetryableError
+
+
+def room_sharding_key(app_code: str, room_id: str) -> str:
+    return f"{app_code}:{room_id}"
+
+
+class BrokerPublisher:
+    name = Target.BROKER.value
+
+    def __init__(self, broker: Broker, *, topic: str) -> None:
+        self.broker = broker
+        self.topic = topic
+
+    async def publish(
+        self, event: Event, *, payload: bytes, deadline: float, headers: Mapping[str, str] | None = None
+    ) -> None:
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise RetryableError("publishing to the broker: the deadline passed before it started")
+        message = OutgoingMessage(
+            topic=self.topic,
+            body=payload,
+            key=event.event_id,
+            tag=event.type,
+            sharding_key=room_sharding_key(event.app_code, event.room_id),
+            headers=dict(headers or {}),
+        )
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.broker.publish(message, timeout_s=remaining)
+        except TimeoutError as exc:
+            raise RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline") from exc
+        except BrokerUnavailable as exc:
+            raise RetryableError(f"broker {self.broker.name} unavailable: {exc}") from exc
+        except RetryableError:
+            raise
+        except Exception as exc:  # refused for good (name, size): a dead letter, not a retry loop
+            if getattr(exc, "retryable", False):
+                raise RetryableError(f"broker {self.broker.name}: {exc}") from exc
+            raise PermanentError(f"broker {self.broker.name} refused the event: {exc}") from exc

@@ -1,0 +1,201 @@
+"""The consumer runtime on the in-memory broker: ack, nack with backoff, dead letters, outages, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest_asyncio
+from structlog.testing import capture_logs
+
+from roomservice.brokers.fake import FakeBroker
+from roomservice.brokers.port import Delivery, OutgoingMessage
+from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Outcome, Redeliver
+from roomservice.outbox.policy import RetryPolicy
+
+TOPIC = "hyapp_room_outbox"
+GROUP = "g-test"
+FAST = RetryPolicy(initial_backoff_ms=10, max_backoff_ms=40, max_retry_count=1 << 30, jitter=0.0)
+
+
+class Recorder:
+    """A handler that applies each key once, fails for keys in ``failing``, and can be made to block."""
+
+    def __init__(self, group: str = GROUP) -> None:
+        self.group = group
+        self.topic = TOPIC
+        self.applied: list[str] = []
+        self.seen: list[tuple[str, int]] = []
+        self.failing: set[str] = set()
+        self.early: dict[str, int] = {}  # key -> times to ask for redelivery
+        self.block = asyncio.Event()
+        self.block.set()
+        self.started = asyncio.Event()
+
+    async def handle(self, delivery: Delivery) -> Outcome:
+        self.seen.append((delivery.key, delivery.delivery_count))
+        self.started.set()
+        await self.block.wait()
+        if delivery.key in self.failing:
+            raise RuntimeError(f"cannot apply {delivery.key}")
+        if self.early.get(delivery.key, 0) > 0:
+            self.early[delivery.key] -= 1
+            raise Redeliver(0.05)
+        if delivery.key in self.applied:
+            return Outcome.DUPLICATE
+        self.applied.append(delivery.key)
+        return Outcome.APPLIED
+
+
+async def until(check: Callable[[], bool | Awaitable[bool]], deadline_s: float = 5.0) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        result = check()
+        if result if isinstance(result, bool) else await result:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+@pytest_asyncio.fixture
+async def broker() -> AsyncIterator[FakeBroker]:
+    broker = FakeBroker()
+    yield broker
+    await broker.close()
+
+
+def options(max_deliveries: int = 3, **kw: object) -> GroupOptions:
+    return GroupOptions(max_deliveries=max_deliveries, wait_s=0.05, visibility_s=0.5, backoff=FAST, **kw)  # type: ignore[arg-type]
+
+
+async def publish(broker: FakeBroker, *keys: str) -> None:
+    for key in keys:
+        await broker.publish(OutgoingMessage(topic=TOPIC, body=b"x", key=key), timeout_s=1)
+
+
+async def test_handled_deliveries_are_acked_once(broker: FakeBroker) -> None:
+    handler = Recorder()
+    runtime = ConsumerRuntime(broker, [(handler, options())])
+    runtime.start()
+    await publish(broker, "e1", "e2", "e3")
+    await until(lambda: len(handler.applied) == 3)
+    await until(lambda: _lag(broker, 0))
+    await runtime.shutdown(grace_s=1)
+    assert sorted(handler.applied) == ["e1", "e2", "e3"]
+    assert runtime.runner(GROUP).counts.applied == 3
+
+
+async def test_a_failing_message_is_dead_lettered_after_the_limit_and_logged_once_per_delivery(
+    broker: FakeBroker,
+) -> None:
+    handler = Recorder()
+    handler.failing.add("poison")
+    runtime = ConsumerRuntime(broker, [(handler, options(max_deliveries=3))])
+    with capture_logs() as logs:
+        runtime.start()
+        await publish(broker, "poison", "good1", "good2")
+        await until(lambda: set(handler.applied) == {"good1", "good2"})
+        await until(lambda: _dead(broker, 1))
+        await runtime.shutdown(grace_s=1)
+    assert [count for key, count in handler.seen if key == "poison"] == [1, 2, 3]
+    failed = [e for e in logs if e["event"] == "consumer_delivery_failed"]
+    assert [(e["key"], e["delivery_count"], e["dead_letter"]) for e in failed] == [
+        ("poison", 1, False),
+        ("poison", 2, False),
+        ("poison", 3, True),
+    ]
+    (dead,) = await broker.dead_letters(GROUP)
+    assert dead.key == "poison" and "cannot apply poison" in dead.reason
+    assert runtime.runner(GROUP).counts.failures == 3
+
+
+async def test_a_replayed_dead_letter_applies_once_fixed(broker: FakeBroker) -> None:
+    handler = Recorder()
+    handler.failing.add("e1")
+    runtime = ConsumerRuntime(broker, [(handler, options(max_deliveries=1))])
+    runtime.start()
+    await publish(broker, "e1")
+    await until(lambda: _dead(broker, 1))
+    handler.failing.clear()
+    (dead,) = await broker.dead_letters(GROUP)
+    assert await broker.replay_dead_letter(GROUP, dead.message_id)
+    await until(lambda: handler.applied == ["e1"])
+    await runtime.shutdown(grace_s=1)
+
+
+async def test_redeliver_asks_again_later_without_counting_a_failure(broker: FakeBroker) -> None:
+    handler = Recorder()
+    handler.early["box"] = 2
+    runtime = ConsumerRuntime(broker, [(handler, options(max_deliveries=5))])
+    runtime.start()
+    await publish(broker, "box")
+    await until(lambda: handler.applied == ["box"])
+    await runtime.shutdown(grace_s=1)
+    assert [count for _, count in handler.seen] == [1, 2, 3]
+    assert runtime.runner(GROUP).counts.failures == 0
+
+
+async def test_groups_are_independent_and_a_duplicate_is_counted(broker: FakeBroker) -> None:
+    activity, notice = Recorder("g-activity"), Recorder("g-notice")
+    notice.failing.add("e1")
+    runtime = ConsumerRuntime(broker, [(activity, options()), (notice, options(max_deliveries=1))])
+    runtime.start()
+    await publish(broker, "e1", "e2")
+    await until(lambda: sorted(activity.applied) == ["e1", "e2"] and notice.applied == ["e2"])
+    await runtime.shutdown(grace_s=1)
+    assert len(await broker.dead_letters("g-notice")) == 1 and await broker.dead_letters("g-activity") == []
+
+
+async def test_the_loop_survives_a_broker_outage(broker: FakeBroker) -> None:
+    handler = Recorder()
+    runtime = ConsumerRuntime(broker, [(handler, options())])
+    broker.down = True
+    with capture_logs() as logs:
+        runtime.start()
+        await until(lambda: any(e["event"] == "consumer_fetch_failed" for e in logs))
+        assert runtime.alive
+        broker.down = False
+        await publish(broker, "after")
+        await until(lambda: handler.applied == ["after"])
+        await runtime.shutdown(grace_s=1)
+    assert sum(e["event"] == "consumer_fetch_failed" for e in logs) < 5  # backs off, no log flood
+
+
+async def test_shutdown_lets_a_delivery_in_flight_finish(broker: FakeBroker) -> None:
+    handler = Recorder()
+    handler.block.clear()
+    runtime = ConsumerRuntime(broker, [(handler, options())])
+    runtime.start()
+    await publish(broker, "slow")
+    await asyncio.wait_for(handler.started.wait(), 5)
+    stopping = asyncio.create_task(runtime.shutdown(grace_s=5))
+    await asyncio.sleep(0.05)
+    handler.block.set()
+    await stopping
+    assert handler.applied == ["slow"] and await _lag(broker, 0)
+
+
+async def test_a_delivery_cut_short_by_shutdown_is_not_acked_and_comes_back(broker: FakeBroker) -> None:
+    handler = Recorder()
+    handler.block.clear()
+    runtime = ConsumerRuntime(broker, [(handler, options())])
+    runtime.start()
+    await publish(broker, "cut")
+    await asyncio.wait_for(handler.started.wait(), 5)
+    await runtime.shutdown(grace_s=0.05)
+    assert handler.applied == [] and await _lag(broker, 1)
+    handler.block.set()
+    again = ConsumerRuntime(broker, [(handler, options())])
+    again.start()
+    await until(lambda: handler.applied == ["cut"])
+    await again.shutdown(grace_s=1)
+    assert handler.seen[-1] == ("cut", 2)
+
+
+async def _lag(broker: FakeBroker, n: int) -> bool:
+    return (await broker.group_stats(TOPIC, GROUP)).lag == n
+
+
+async def _dead(broker: FakeBroker, n: int) -> bool:
+    return len(await broker.dead_letters(GROUP)) == n
