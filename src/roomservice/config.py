@@ -641,12 +641,12 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
             "rocketmq.retry",
         ),
         lambda s: not (s.broker.driver == "rocketmq" and _broker_in_use(s)),
-        "RocketMQ connection keys: only the rocketmq broker driver uses them, when something uses the broker",
+        "broker.driver is not rocketmq, or nothing uses the broker: only the RocketMQ driver connects to RocketMQ",
     ),
     InactiveRule(
         ("rocketmq.room_outbox.enabled", "rocketmq.room_outbox.producer_group"),
         lambda s: not _publishes_outbox_to_broker(s),
-        "only outbox_worker.publish_mode mq or dual publishes the outbox to the broker",
+        "nothing publishes the outbox to a broker (only outbox_worker.publish_mode mq and dual do)",
     ),
     InactiveRule(
         ("rocketmq.room_outbox.topic",),
@@ -664,8 +664,14 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         "rocketmq.treasure_open.enabled is false: treasure boxes open from the durable database timer",
         exclude=("rocketmq.treasure_open.enabled",),
     ),
-    InactiveRule(("redis.*",), lambda s: s.lease.driver != "redis", "only lease.driver redis uses Redis"),
-    InactiveRule(("lease.ttl",), lambda s: s.lease.driver == "inprocess", "in-process leases never expire"),
+    InactiveRule(
+        ("redis.*",), lambda s: s.lease.driver != "redis", "lease.driver is not redis: only Redis leases use it"
+    ),
+    InactiveRule(
+        ("lease.ttl",),
+        lambda s: s.lease.driver == "inprocess",
+        "lease.driver is inprocess: in-process leases never expire",
+    ),
     InactiveRule(
         (
             "outbox_worker.publish_mode",
@@ -685,7 +691,8 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
     InactiveRule(
         ("tencent_im.*", "activity.target"),
         lambda s: not _publishes_direct(s),
-        "the IM and activity publishers run only with outbox_worker.enabled and publish_mode direct or dual",
+        "no direct publishing: the IM and activity publishers run only with outbox_worker.enabled and publish_mode "
+        "direct or dual",
     ),
     InactiveRule(
         ("tencent_im.*",),

@@ -1010,8 +1010,8 @@ def test_inactive_keys_of_the_embedded_default() -> None:
         "wallet.api_key",
     ]:
         assert key in inactive, key
-    assert inactive["lease.ttl"] == "in-process leases never expire"
-    assert inactive["redis.url"] == "only lease.driver redis uses Redis"
+    assert inactive["lease.ttl"] == "lease.driver is inprocess: in-process leases never expire"
+    assert inactive["redis.url"] == "lease.driver is not redis: only Redis leases use it"
     for key in [
         "rocketmq.enabled",
         "rocketmq.treasure_open.enabled",

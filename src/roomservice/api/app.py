@@ -43,6 +43,7 @@ class ApiContext:
     health: HealthChecks
     admin_token: str
     outbox_admin: OutboxAdmin | None = None  # serves /admin/outbox… when set
+    metrics: bool = True  # serves GET /metrics (metrics.enabled); without it /metrics is 404 not_found
 
 
 def _error(exc: errors.RoomServiceError) -> JSONResponse:
@@ -152,9 +153,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
         ok, report = await ctx.health.run()
         return JSONResponse({"ready": ok, "checks": report}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", tags=["ops"], include_in_schema=False)
-    async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    if ctx.metrics:
+
+        @app.get("/metrics", tags=["ops"], include_in_schema=False)
+        async def metrics() -> Response:
+            return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     async def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
         scheme, _, token = (authorization or "").partition(" ")

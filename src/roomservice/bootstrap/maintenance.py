@@ -29,7 +29,8 @@ class Maintenance:
     def start(self, core: Core) -> None:
         core.spawn("outbox-retention", self.retention.run(interval_s=60.0))
         core.spawn("command-log-retention", self._prune_command_log(core, interval_s=300.0))
-        core.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
+        if core.settings.metrics.enabled:  # the gauges exist only for GET /metrics
+            core.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
         core.spawn(
             "wallet-reconcile", self.reconciler.run(interval_s=core.settings.wallet.reconcile_interval.total_seconds())
         )

@@ -22,6 +22,7 @@ import typer
 import uvicorn
 
 from roomservice.admin.cli import outbox_app
+from roomservice.cli.config_cmd import config_app
 from roomservice.cli.options import ConfigOpt, DataDirOpt, admin_token, settings_from_options
 from roomservice.config import Settings
 
@@ -29,6 +30,7 @@ app = typer.Typer(help="room-service: live voice-chat rooms with a transactional
 db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(outbox_app, name="outbox")
+app.add_typer(config_app, name="config")
 activity_app = typer.Typer(help="The reference activity service (gRPC).", no_args_is_help=True)
 app.add_typer(activity_app, name="activity")
 
@@ -72,6 +74,7 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 health=runtime.health,
                 admin_token=token,
                 outbox_admin=runtime.outbox_admin,
+                metrics=settings.metrics.enabled,
             )
         )
         server = uvicorn.Server(
