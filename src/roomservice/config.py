@@ -509,7 +509,9 @@ class Settings(_Block):
             if leaf not in node:
                 raise ConfigError(f"unknown key: {dotted}")
             node[leaf] = value
-        return _validate(data, source=None)
+        settings = _validate(data, source=None)
+        settings._data_dir = self._data_dir
+        return settings
 
     def room_rules(self) -> RoomRules:
         """The configurable room rules handed to the domain's ``decide``."""
@@ -784,7 +786,10 @@ def _expand(value: object, env: Mapping[str, str], path: str, problems: list[str
         return [_expand(v, env, f"{path}[{i}]", problems) for i, v in enumerate(value)]
     if not isinstance(value, str) or "${" not in value:
         return value
+    return _expand_str(value, env, path, problems)
 
+
+def _expand_str(value: str, env: Mapping[str, str], path: str, problems: list[str]) -> str:
     def replace(match: re.Match[str]) -> str:
         token = match.group(0)
         if token == "$${":
