@@ -293,3 +293,44 @@ def test_bulk_replay_with_no_match(cli: Env) -> None:
 def test_bad_arguments_fail_with_one_clear_line(cli: Env, args: tuple[str, ...], fragment: str) -> None:
     assert_clear_error(cli.run(*args), fragment)
     assert cli.statuses()["failed"] == 7
+
+
+# --------------------------------------------------------------------------- no database
+
+
+def run_outbox_bare(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``room-service outbox …`` with no --config: the packaged default, SQLite under the data dir."""
+    return subprocess.run(
+        [sys.executable, "-m", "roomservice.cli", "outbox", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "USER": ACTOR, "COLUMNS": "200", "NO_COLOR": "1"},
+        cwd=cwd,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("stats",), ("stats", "--json"), ("list",), ("show", "e-1"), ("replay", "e-1"), ("replay", "--status", "failed")],
+    ids=lambda a: " ".join(a),
+)
+def test_read_only_commands_refuse_a_missing_database_and_create_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
+    result = run_outbox_bare(tmp_path, *args)
+    assert_clear_error(result, f"no database at {tmp_path / 'var' / 'room.db'}")
+    assert list(tmp_path.iterdir()) == []  # no ./var, no room.db
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_outbox_bare(tmp_path, *args, "--data-dir", str(empty))
+    assert_clear_error(result, f"no database at {empty / 'room.db'}")
+    assert list(empty.iterdir()) == []
+
+
+def test_a_configured_database_file_that_does_not_exist_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "elsewhere" / "room.db"
+    config = tmp_path / "room.yaml"
+    config.write_text(f'database:\n  url: "sqlite+aiosqlite:///{missing}"\n')
+    result = run_outbox_bare(tmp_path, "stats", "--config", str(config))
+    assert_clear_error(result, f"no database at {missing}")
+    assert not (tmp_path / "elsewhere").exists()

@@ -8,14 +8,17 @@
     room-service outbox replay EVENT_ID... [--as-repair [--target T]...] [--json]
     room-service outbox replay --status failed [filters] [--as-repair [--target T]...] [--yes] [--json]
 
-Every command takes ``--config`` and ``--data-dir`` like ``serve`` and opens
-the configured database itself (migrating it first when
-``database.auto_migrate``). Durations are Go strings (``"10m"``, ``"1h30m"``).
+Every command takes --config and --data-dir like serve and opens the
+configured database itself (migrating it first when database.auto_migrate).
+They work on rows that exist, so they never create a database: a SQLite file
+that does not exist (the wrong --data-dir or working directory, usually) is an
+error naming the path, and nothing is created. Durations are Go strings
+("10m", "1h30m").
 
 Exit codes: 0 done; 1 some rows were not replayed (not in status failed), the
 confirmation was declined or the database is unavailable; 2 bad arguments
-(unknown event id, bad duration or status, nothing to replay) with a one-line
-message on stderr.
+(unknown event id, bad duration or status, nothing to replay, no database at
+the configured path) with a one-line message on stderr.
 """
 
 from __future__ import annotations
@@ -45,14 +48,16 @@ from roomservice.admin.operations import (
     ReplayReport,
     repair_targets,
 )
-from roomservice.cli.options import ConfigOpt, DataDirOpt, settings_from_options
+from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
 from roomservice.clock import wall_clock_ms
 from roomservice.durations import format_duration
 
 T = TypeVar("T")
 
 outbox_app = typer.Typer(
-    help="Outbox dead letters: stats, list, show and replay rows of room_outbox.", no_args_is_help=True
+    help="Outbox dead letters: stats, list, show and replay rows of room_outbox.",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
@@ -89,13 +94,23 @@ def _actor() -> str:
 def _run(config: Path | None, data_dir: Path, work: Callable[[OutboxAdmin], Awaitable[T]]) -> T:
     """Open the configured database, run ``work`` against an :class:`OutboxAdmin`, close it."""
     from roomservice.config import ConfigError
-    from roomservice.store.migrate import opened_database
+    from roomservice.store.migrate import opened_database, sqlite_file
     from roomservice.store.port import StoreUnavailable
 
+    private_files()
     settings = settings_from_options(config, data_dir.expanduser().resolve())
+    try:
+        url = settings.database.connect_url()
+    except ConfigError as exc:
+        _fail(f"config error: {exc}")
+    path = sqlite_file(url)
+    if path is not None and not path.is_file():  # opening would create it, empty, and its directory
+        _fail(
+            f"no database at {path}: nothing to read (run from the service's directory, "
+            "or give its --data-dir or --config)"
+        )
 
     async def main() -> T:
-        url = settings.database.connect_url()
         async with opened_database(url, migrate=settings.database.auto_migrate, pool_size=2, max_overflow=2) as db:
             return await work(OutboxAdmin(db, clock=wall_clock_ms))
 
@@ -206,7 +221,9 @@ def show_command(
 
 @outbox_app.command("replay")
 def replay_command(
-    event_ids: Annotated[list[str] | None, typer.Argument(help="event_ids of failed rows.", show_default=False)] = None,
+    event_ids: Annotated[
+        list[str] | None, typer.Argument(metavar="EVENT_ID", help="event_ids of failed rows.", show_default=False)
+    ] = None,
     status: Annotated[
         str | None, typer.Option("--status", "-s", help="Bulk replay: must be 'failed'; combine with filters.")
     ] = None,

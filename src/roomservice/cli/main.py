@@ -1,4 +1,4 @@
-"""``room-service``: serve the API, run migrations.
+"""room-service: serve the API, run workers and migrations, administer the outbox.
 
     room-service serve [--config FILE] [--host H] [--port P] [--data-dir DIR]
     room-service worker [--config FILE] [--data-dir DIR]
@@ -7,31 +7,60 @@
     room-service activity serve [--config FILE] [--data-dir DIR] [--host H] [--port P]
     room-service im-sandbox [--host H] [--port P] [--sdk-app-id N] [--secret-key-env VAR]
 
-With no ``--config`` the packaged ``configs/local.yaml`` is used: SQLite at
-``<data-dir>/room.db`` (data dir ``./var``), everything in process.
+With no --config the packaged configs/local.yaml is used: SQLite at
+<data-dir>/room.db (data dir ./var), everything in process. The data dir is
+created 0700 and every file this process creates is 0600.
+
+serve and worker stop gracefully on SIGTERM or SIGINT and exit 0: serve stops
+accepting connections and lets the requests in flight answer (up to
+HTTP_DRAIN_S); then the outbox worker finishes or hands back its claims. A stop
+that takes longer than its deadline, or a second signal, exits 1 at once (see
+roomservice.cli.shutdown).
+
+Help texts here are shown by --help as written: plain words, no markup.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Final
 
 import typer
 import uvicorn
 
 from roomservice.admin.cli import outbox_app
 from roomservice.cli.config_cmd import config_app
-from roomservice.cli.options import ConfigOpt, DataDirOpt, admin_token, settings_from_options
+from roomservice.cli.options import (
+    HELP_MARKUP,
+    ConfigOpt,
+    DataDirOpt,
+    admin_token,
+    prepare_data_dir,
+    restrict_database_files,
+    settings_from_options,
+)
+from roomservice.cli.shutdown import GracefulStop
 from roomservice.config import Settings
 
-app = typer.Typer(help="room-service: live voice-chat rooms with a transactional outbox.", no_args_is_help=True)
-db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+HTTP_DRAIN_S: Final = 10  # a stopping server lets requests in flight answer this long, then cancels them
+STOP_MARGIN_S: Final = 10.0  # for the rest of a stop (loops, cells, database) beyond the drain and worker grace
+
+app = typer.Typer(
+    help="room-service: live voice-chat rooms with a transactional outbox.",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
+)
+db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True, rich_markup_mode=HELP_MARKUP)
 app.add_typer(db_app, name="db")
 app.add_typer(outbox_app, name="outbox")
 app.add_typer(config_app, name="config")
-activity_app = typer.Typer(help="The reference activity service (gRPC).", no_args_is_help=True)
+activity_app = typer.Typer(
+    help="The reference activity service (gRPC).", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
+)
 app.add_typer(activity_app, name="activity")
 
 
@@ -42,9 +71,12 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (overrides http.port; 0 = any free port).")] = None,
     data_dir: DataDirOpt = Path("var"),
 ) -> None:
-    """Run the HTTP API with Room Cells and every in-process part the config enables."""
-    data_dir = data_dir.expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    """Run the HTTP API with Room Cells and every in-process part the config enables.
+
+    SIGTERM or SIGINT stops it gracefully: no new connections, requests in flight
+    answer, outbox claims are handed back, exit status 0.
+    """
+    data_dir = prepare_data_dir(data_dir)
     settings = settings_from_options(config, data_dir)
     from roomservice.observability.logging import configure_logging
 
@@ -61,13 +93,33 @@ def serve(
     )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: :class:`GracefulStop` owns SIGTERM/SIGINT.
+
+    uvicorn's ``capture_signals`` re-raises a captured signal once ``serve()`` returns,
+    which kills the process before the runtime stops (no claims handed back, exit 143).
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _stop_deadline_s(settings: Settings, *, http: bool) -> float:
+    """How long a graceful stop may take before the process gives up and exits 1."""
+    worker_grace = settings.outbox_worker.publish_timeout.total_seconds()
+    return (HTTP_DRAIN_S if http else 0.0) + worker_grace + STOP_MARGIN_S
+
+
 async def _serve(settings: Settings, *, host: str, port: int, token: str, data_dir: Path) -> None:
     from roomservice.api.app import ApiContext, create_app
-    from roomservice.observability.logging import get_logger
     from roomservice.bootstrap import Process
+    from roomservice.observability.logging import get_logger
 
     log = get_logger("roomservice.cli")
+    stop = GracefulStop(deadline_s=_stop_deadline_s(settings, http=True)).install()
     async with Process.running(settings) as runtime:
+        restrict_database_files(settings)
         api = create_app(
             ApiContext(
                 service=runtime.service,
@@ -77,8 +129,16 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 metrics=settings.metrics.enabled,
             )
         )
-        server = uvicorn.Server(
-            uvicorn.Config(api, host=host, port=port, log_config=None, access_log=False, lifespan="off")
+        server = _Server(
+            uvicorn.Config(
+                api,
+                host=host,
+                port=port,
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                timeout_graceful_shutdown=HTTP_DRAIN_S,
+            )
         )
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():  # noqa: ASYNC110 - uvicorn exposes only a flag
@@ -88,18 +148,26 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
             actual_port = bound[0][1] if bound else port
             (data_dir / "http-port").write_text(f"{actual_port}\n")
             log.info("serving", host=host, port=actual_port, data_dir=str(data_dir))
+        stopping = asyncio.create_task(stop.requested.wait())
+        try:
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        # close the listener, let the requests in flight answer (up to HTTP_DRAIN_S), then
+        # leave the block: the runtime stops its loops and hands outbox claims back
+        server.should_exit = True
         await serving
+    stop.complete()
 
 
 @app.command()
 def worker(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None:
     """Run the outbox worker, the treasure timer and retention alone, without the HTTP API.
 
-    Several worker processes may run against one database; SIGTERM stops one
-    gracefully and hands its unfinished claims back.
+    Several worker processes may run against one database; SIGTERM or SIGINT stops
+    one gracefully (its unfinished claims are handed back) with exit status 0.
     """
-    data_dir = data_dir.expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = prepare_data_dir(data_dir)
     settings = settings_from_options(config, data_dir)
     if not settings.outbox_worker.enabled:
         typer.echo("config error: outbox_worker.enabled is false; nothing to run", err=True)
@@ -111,18 +179,15 @@ def worker(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None
 
 
 async def _work(settings: Settings) -> None:
-    import signal
-
-    from roomservice.observability.logging import get_logger
     from roomservice.bootstrap import WORKER_ROLES, Process
+    from roomservice.observability.logging import get_logger
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = GracefulStop(deadline_s=_stop_deadline_s(settings, http=False)).install()
     async with Process.running(settings, roles=WORKER_ROLES):
+        restrict_database_files(settings)
         get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
-        await stop.wait()
+        await stop.requested.wait()
+    stop.complete()
 
 
 @activity_app.command("serve")
@@ -138,10 +203,10 @@ def activity_serve(
 ) -> None:
     """Run the reference activity service alone on the configured database.
 
-    The bound port is written to ``<data-dir>/activity-port``; SIGTERM/SIGINT stop it gracefully.
+    The bound port is written to the file activity-port in the data dir.
+    SIGTERM or SIGINT stops it gracefully.
     """
-    data_dir = data_dir.expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = prepare_data_dir(data_dir)
     settings = settings_from_options(config, data_dir)
     target_host, _, target_port = settings.activity.target.rpartition(":")
     if host is None:
@@ -159,16 +224,11 @@ def activity_serve(
 
 
 async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir: Path) -> None:
-    import signal
-
     from roomservice.activity.service import running_activity_service
     from roomservice.observability.logging import get_logger
     from roomservice.store.migrate import opened_database
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = GracefulStop(deadline_s=STOP_MARGIN_S).install()
     database = settings.database
     async with (
         opened_database(
@@ -179,9 +239,11 @@ async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir:
         ) as db,
         running_activity_service(db, host=host, port=port) as service,
     ):
+        restrict_database_files(settings)
         (data_dir / "activity-port").write_text(f"{service.port}\n")
         get_logger("roomservice.cli").info("activity_serving", target=service.target, database=db.dialect_name)
-        await stop.wait()
+        await stop.requested.wait()
+    stop.complete()
 
 
 @app.command("im-sandbox")
@@ -193,7 +255,7 @@ def im_sandbox(
         str, typer.Option("--secret-key-env", help="Environment variable holding the app's secret key.")
     ] = "TENCENT_IM_SECRET_KEY",
     admin_identifier: Annotated[
-        list[str] | None, typer.Option("--admin-identifier", help="App admin identifier (repeatable).")
+        list[str] | None, typer.Option("--admin-identifier", metavar="ID", help="App admin identifier (repeatable).")
     ] = None,
 ) -> None:
     """Run the Tencent IM sandbox alone: the REST subset room-service uses, plus /_sandbox/ controls.
@@ -217,15 +279,10 @@ def im_sandbox(
 
 
 async def _im_sandbox(host: str, port: int, sdk_app_id: int, secret_key: str, admins: tuple[str, ...]) -> None:
-    import signal
-
     from roomservice.integrations.im_sandbox import RunningSandbox, run_sandbox
     from roomservice.observability.logging import get_logger
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = GracefulStop(deadline_s=STOP_MARGIN_S).install()
 
     def started(sandbox: RunningSandbox) -> None:
         typer.echo(sandbox.base_url)
@@ -239,21 +296,28 @@ async def _im_sandbox(host: str, port: int, sdk_app_id: int, secret_key: str, ad
         sdk_app_id=sdk_app_id,
         secret_key=secret_key,
         admin_identifiers=admins,
-        stop=stop,
+        stop=stop.requested,
         on_started=started,
     )
+    stop.complete()
 
 
 @db_app.command("upgrade")
 def db_upgrade(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None:
-    """Apply all database migrations."""
+    """Apply the database migrations not applied yet, and say which."""
     from roomservice.store.migrate import upgrade_url
 
-    data_dir = data_dir.expanduser().resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = prepare_data_dir(data_dir)
     settings = settings_from_options(config, data_dir)
-    upgrade_url(settings.database.connect_url())
-    typer.echo("database is up to date")
+    url = settings.database.connect_url()
+    report = upgrade_url(url)
+    restrict_database_files(settings)
+    for applied in report.applied:
+        typer.echo(f"applied {applied.revision}: {applied.message}")
+    if report.applied:
+        typer.echo(f"database is now at {report.current} (head)")
+    else:
+        typer.echo(f"already at {report.current} (head): nothing to apply")
 
 
 def main() -> None:

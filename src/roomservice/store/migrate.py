@@ -15,14 +15,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 
 from roomservice.store.database import Database
 
@@ -42,13 +42,30 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
-async def upgrade(db: Database, revision: str = "head") -> None:
+class Applied(NamedTuple):
+    """One revision an upgrade applied: its id and the first line of its docstring."""
+
+    revision: str
+    message: str
+
+
+class UpgradeReport(NamedTuple):
+    """What :func:`upgrade` did: the revisions applied, oldest first, and where it ended."""
+
+    applied: list[Applied]
+    current: str | None
+
+
+async def upgrade(db: Database, revision: str = "head") -> UpgradeReport:
     """Bring the schema up to ``revision``; a no-op when it is already there."""
     config = alembic_config()
 
-    def run(connection: Connection) -> None:
+    def run(connection: Connection) -> UpgradeReport:
+        before = MigrationContext.configure(connection).get_current_revision()
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
+        after = MigrationContext.configure(connection).get_current_revision()
+        return UpgradeReport(_applied_between(before, after), after)
 
     async with db.write() as conn:
         if db.dialect_name == "mysql":
@@ -59,11 +76,18 @@ async def upgrade(db: Database, revision: str = "head") -> None:
             if got != 1:
                 raise TimeoutError("another process is migrating the schema; lock not obtained")
             try:
-                await conn.run_sync(run)
+                return await conn.run_sync(run)
             finally:
                 await conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": _MYSQL_LOCK_NAME})
-        else:
-            await conn.run_sync(run)
+        return await conn.run_sync(run)
+
+
+def _applied_between(before: str | None, after: str | None) -> list[Applied]:
+    if after is None or after == before:
+        return []
+    scripts = ScriptDirectory.from_config(alembic_config())
+    walked = scripts.iterate_revisions(after, before)  # newest first, ``before`` excluded
+    return [Applied(script.revision, (script.doc or "").strip()) for script in reversed(list(walked))]
 
 
 async def current_revision(db: Database) -> str | None:
@@ -90,11 +114,25 @@ async def opened_database(
         await db.dispose()
 
 
-def upgrade_url(url: str | URL, revision: str = "head") -> None:
+def upgrade_url(url: str | URL, revision: str = "head") -> UpgradeReport:
     """Synchronous entry point for ``room-service db upgrade``."""
 
-    async def main() -> None:
+    async def main() -> UpgradeReport:
         async with opened_database(url, migrate=False, pool_size=1, max_overflow=0) as db:
-            await upgrade(db, revision)
+            return await upgrade(db, revision)
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file of a SQLite database URL; None for other databases, ``:memory:`` and ``file:`` URIs.
+
+    Read-only commands check it exists before opening: opening creates it (and its
+    directory) empty."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return None
+    database = parsed.database
+    if not database or database == ":memory:" or database.startswith("file:") or parsed.query.get("mode") == "memory":
+        return None
+    return Path(database).expanduser().resolve()
