@@ -4,14 +4,31 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
 
 Id = Annotated[str, Field(pattern=lim.ID_PATTERN, min_length=1, max_length=64)]
 RoomId = Annotated[str, Field(pattern=lim.ROOM_ID_PATTERN, min_length=1, max_length=48)]
-Title = Annotated[str, Field(min_length=lim.TITLE_MIN, max_length=lim.TITLE_MAX)]
+
+
+def _title(value: str) -> str:
+    if (problem := lim.title_problem(value)) is not None:
+        raise ValueError(problem)
+    return value
+
+
+Title = Annotated[
+    str,
+    Field(
+        min_length=lim.TITLE_MIN,
+        max_length=lim.TITLE_MAX,
+        description="1-64 code points; not blank; no control characters (Cc), line separators "
+        "or bidi embeddings/overrides/isolates (U+202A-U+202E, U+2066-U+2069)",
+    ),
+    AfterValidator(_title),
+]
 SeatCount = Annotated[int, Field(ge=lim.SEAT_COUNT_MIN, le=lim.SEAT_COUNT_MAX)]
 Seat = Annotated[int, Field(ge=0, le=lim.SEAT_COUNT_MAX - 1)]
 GiftCount = Annotated[int, Field(ge=lim.GIFT_COUNT_MIN, le=lim.GIFT_COUNT_MAX)]

@@ -62,6 +62,8 @@ def decide(state: RoomState | None, command: c.Command, *, now_ms: int, rules: R
 def _create(state: RoomState | None, command: c.CreateRoom, rules: RoomRules) -> Payloads:
     if state is not None:
         raise errors.RoomExists()
+    if (problem := lim.title_problem(command.title)) is not None:
+        raise errors.InvalidArgument(problem)
     seat_count = rules.default_seat_count if command.seat_count is None else command.seat_count
     _within("seat_count", seat_count, lim.SEAT_COUNT_MIN, lim.SEAT_COUNT_MAX)
     return [e.RoomCreated(owner_id=command.owner_id, title=command.title, seat_count=seat_count)]

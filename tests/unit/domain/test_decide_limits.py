@@ -51,3 +51,59 @@ def test_ban_seconds_outside_1_to_2592000_is_invalid_argument(open_room, ban_sec
     with pytest.raises(errors.InvalidArgument):
         open_room.send(c.KickUser(operator_id="owner", target_id="alice", ban_seconds=ban_seconds))
     assert open_room.live.is_member("alice")
+
+
+# --------------------------------------------------------------------------- titles
+
+BIDI_CONTROLS = [chr(cp) for cp in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))]
+
+
+@pytest.mark.parametrize(
+    "title",
+    [
+        "nul\x00byte",
+        "line\nbreak",
+        "carriage\rreturn",
+        "tab\there",
+        "bell\x07",
+        "del\x7f",
+        "nel\x85",
+        "\x1b[31mred",
+        "line\u2028separator",
+        *[f"evil{ch}txt" for ch in BIDI_CONTROLS],
+        " ",
+        "   ",
+        "\u3000",  # ideographic space
+        "\u00a0\u2003",  # no-break space, em space
+        "",
+        "t" * 65,
+        "🎤" * 65,
+    ],
+    ids=repr,
+)
+def test_titles_with_control_or_bidi_characters_blank_or_too_long_are_invalid(room, title):
+    with pytest.raises(errors.InvalidArgument) as raised:
+        room.create(title=title)
+    assert "title" in raised.value.message
+    assert limits.title_problem(title) is not None
+
+
+@pytest.mark.parametrize(
+    "title",
+    [
+        "Hello 🎤",
+        "👨\u200d👩\u200d👧 family",  # ZWJ sequence
+        "❤\ufe0f",  # variation selector
+        "\u200e\u05e9\u05dc\u05d5\u05dd",  # a left-to-right mark and Hebrew: a mark, not an override
+        "  padded  ",
+        "x",
+        "t" * 64,
+        "🎤" * 64,  # 64 code points (256 UTF-8 bytes)
+        "e\u0301" * 32,  # 64 code points, 32 graphemes
+    ],
+    ids=repr,
+)
+def test_titles_with_other_format_characters_are_accepted_and_counted_in_code_points(room, title):
+    room.create(title=title)
+    assert room.live.title == title
+    assert limits.title_problem(title) is None
