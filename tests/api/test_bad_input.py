@@ -39,6 +39,13 @@ def _expect(resp: httpx.Response, status: int, code: str) -> None:
         (BASE, {**CREATE, "seat_count": 2**64}),
         (BASE, {**CREATE, "title": ""}),
         (BASE, {**CREATE, "title": "t" * 65}),
+        (BASE, {**CREATE, "title": "🎤" * 65}),
+        (BASE, {**CREATE, "title": "nul\x00"}),
+        (BASE, {**CREATE, "title": "two\r\nlines"}),
+        (BASE, {**CREATE, "title": "abc\u202edcba"}),
+        (BASE, {**CREATE, "title": "\u2066isolate\u2069"}),
+        (BASE, {**CREATE, "title": " \t "}),
+        (BASE, {**CREATE, "title": "\u3000"}),
         (BASE, {**CREATE, "room_id": "bad room"}),
         (BASE, {**CREATE, "room_id": "r" * 49}),
         (BASE, {**CREATE, "owner_id": "x" * 65}),
@@ -66,6 +73,13 @@ async def test_invalid_argument(client: httpx.AsyncClient, api_runtime: Process,
     before = await _written(api_runtime)
     _expect(await client.post(path, json=body), 400, "invalid_argument")
     assert await _written(api_runtime) == before
+
+
+async def test_titles_count_code_points_and_keep_format_characters(client: httpx.AsyncClient) -> None:
+    for i, title in enumerate(["🎤" * 64, "👨\u200d👩\u200d👧", "e\u0301" * 32]):
+        resp = await client.post(BASE, json={**CREATE, "command_id": f"t{i}", "room_id": f"t{i}", "title": title})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["room"]["title"] == title
 
 
 async def test_malformed_json(client: httpx.AsyncClient, api_runtime: Process) -> None:

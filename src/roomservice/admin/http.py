@@ -20,9 +20,11 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from roomservice.admin.operations import MAX_LIST_LIMIT, OutboxAdmin, OutboxFilter
+from roomservice.domain.limits import MAX_ID_VALUE
 
 ACTOR = "admin-api"
 MAX_REPLAY_IDS = 1000
@@ -77,8 +79,21 @@ class ReplayBody(BaseModel):
         return self
 
 
-def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None]]) -> APIRouter:
-    router = APIRouter(prefix="/admin/outbox", tags=["admin"], dependencies=[Depends(require_admin)])
+def admin_router(
+    admin: OutboxAdmin,
+    require_admin: Callable[..., Awaitable[None]],
+    *,
+    route_class: type[APIRoute] = APIRoute,
+    responses: dict[int | str, dict[str, Any]] | None = None,
+) -> APIRouter:
+    """The routes; ``route_class`` and ``responses`` are the app's (body reading, documented errors)."""
+    router = APIRouter(
+        prefix="/admin/outbox",
+        tags=["admin"],
+        dependencies=[Depends(require_admin)],
+        route_class=route_class,
+        responses=responses,
+    )
 
     @router.get("/stats")
     async def outbox_stats() -> dict[str, Any]:
@@ -94,7 +109,7 @@ def admin_router(admin: OutboxAdmin, require_admin: Callable[..., Awaitable[None
         newer_than: Annotated[str | None, Query(description='Go duration, e.g. "1h"')] = None,
         error: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_LIST_LIMIT)] = 50,
-        after_id: Annotated[int | None, Query(ge=0)] = None,
+        after_id: Annotated[int | None, Query(ge=0, le=MAX_ID_VALUE)] = None,
     ) -> dict[str, Any]:
         flt = OutboxFilter.parse(
             statuses=status or [],

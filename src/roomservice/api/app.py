@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -11,11 +10,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from roomservice import errors
 from roomservice.api import schemas as s
-from roomservice.api.body_limit import BodyLimit
-from roomservice.api.errors import error_response
+from roomservice.api.body_limit import ClosesConnection
+from roomservice.api.edge import Edge, token_ok
+from roomservice.api.errors import error_response, from_http_exception
+from roomservice.api.routing import BodyPolicy, JsonRoute, command_endpoint, entering_pipeline
+from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
 from roomservice.health import HealthChecks
 from roomservice.observability.logging import get_logger
@@ -30,9 +33,39 @@ _log = get_logger("roomservice.api")
 AppCode = Annotated[str, Path(pattern=lim.APP_CODE_PATTERN, min_length=1, max_length=32)]
 RoomIdPath = Annotated[str, Path(pattern=lim.ROOM_ID_PATTERN, min_length=1, max_length=48)]
 
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": s.ErrorBody} for status in (400, 401, 402, 403, 404, 405, 409, 413, 503)
+_ERROR_DESCRIPTIONS: dict[int, str] = {
+    400: "`invalid_argument` (a body or parameter breaks the limits or types; the body is not UTF-8 "
+    "`application/json`, has a duplicate key, or did not arrive in time), `unknown_gift`",
+    401: "`unauthorized`: no valid admin bearer token",
+    402: "`insufficient_balance`",
+    403: "`not_member`, `not_allowed`, `user_banned`",
+    404: "`room_not_found`, `not_found`",
+    409: "`room_exists`, `seat_taken`, `room_closed`, `command_id_reused`",
+    413: f"`payload_too_large`: the body is over {lim.MAX_BODY_BYTES} bytes",
+    503: "`unavailable` (a dependency is down), `retry` (lost a lease or version race): "
+    "safe to retry with the same command_id",
 }
+
+
+def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The error answers of a route, documented with the one error shape."""
+    return {status: {"model": s.ErrorBody, "description": _ERROR_DESCRIPTIONS[status]} for status in statuses}
+
+
+# per route: the errors each can answer (SPEC §3 and §8)
+_COMMAND = (400, 404, 409, 413, 503)
+_CREATE = _responses(400, 409, 413, 503)
+_COMMANDS: dict[str, tuple[str, type[s._Body], type[c.Command], dict[int | str, dict[str, Any]]]] = {
+    "join_room": ("join", s.JoinBody, c.JoinRoom, _responses(*_COMMAND, 403)),
+    "leave_room": ("leave", s.LeaveBody, c.LeaveRoom, _responses(*_COMMAND)),
+    "take_mic": ("mic/take", s.TakeMicBody, c.TakeMic, _responses(*_COMMAND, 403)),
+    "leave_mic": ("mic/leave", s.LeaveMicBody, c.LeaveMic, _responses(*_COMMAND)),
+    "send_gift": ("gifts", s.GiftBody, c.SendGift, _responses(*_COMMAND, 402, 403)),
+    "kick_user": ("kick", s.KickBody, c.KickUser, _responses(*_COMMAND, 403)),
+    "close_room": ("close", s.CloseBody, c.CloseRoom, _responses(*_COMMAND, 403)),
+}
+_READ = _responses(400, 404, 503)
+ADMIN_RESPONSES = _responses(400, 401, 404, 413, 503)
 
 
 @dataclass(slots=True)
@@ -44,10 +77,37 @@ class ApiContext:
     admin_token: str
     outbox_admin: OutboxAdmin | None = None  # serves /admin/outbox… when set
     metrics: bool = True  # serves GET /metrics (metrics.enabled); without it /metrics is 404 not_found
+    body_read_timeout_s: float = 10.0  # http.body_read_timeout: the whole body must arrive within it
 
 
-def _error(exc: errors.RoomServiceError) -> JSONResponse:
-    return error_response(exc)
+def _error(exc: errors.RoomServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
+    if isinstance(exc, ClosesConnection):
+        headers = {**(headers or {}), "connection": "close"}
+    return error_response(exc, headers=headers)
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> str:
+    """Every method some route answers on this path (Starlette names only the first partial match's)."""
+    allowed = []
+    for method in _METHODS:
+        probe = {**request.scope, "method": method}
+        if any(route.matches(probe)[0] is Match.FULL for route in app.router.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
+def _strip_validation_schemas(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI documents a 422 on every route with inputs; this API answers 400 in the error shape instead."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.get("responses", {}).pop("422", None)
+    components = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    return schema
 
 
 def _describe_validation(exc: RequestValidationError) -> str:
@@ -63,8 +123,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
         title="room-service",
         version="1.0.0",
         description="Live voice-chat rooms; every side effect leaves through a transactional outbox.",
-        responses=_ERROR_RESPONSES,
+        redirect_slashes=False,  # a trailing slash names no route: 404, never a redirect
     )
+    app.router.route_class = JsonRoute.with_policy(BodyPolicy(read_timeout_s=ctx.body_read_timeout_s))
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _strip_validation_schemas(base_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(errors.RoomServiceError)
     async def _service_error(request: Request, exc: errors.RoomServiceError) -> JSONResponse:
@@ -72,27 +141,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        content_type = request.headers.get("content-type", "")
-        if request.method == "POST" and "json" not in content_type:
-            got = content_type or "none"
-            message = f"the body must be JSON (Content-Type: application/json), got {got!r}"
-            return _error(errors.InvalidArgument(message))
         return _error(errors.InvalidArgument(_describe_validation(exc)))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        mapped: errors.RoomServiceError
-        if exc.status_code == 404:
-            mapped = errors.NotFound()
-        elif exc.status_code == 405:
-            mapped = errors.MethodNotAllowed()
-        elif exc.status_code == 413:
-            mapped = errors.PayloadTooLarge()
-        elif exc.status_code == 401:
-            mapped = errors.Unauthorized()
-        else:
-            mapped = errors.InvalidArgument(str(exc.detail))
-        return _error(mapped)
+        headers = {"allow": _allowed_methods(app, request)} if exc.status_code == 405 else None
+        return _error(from_http_exception(exc), headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -101,12 +155,18 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     service = ctx.service
 
-    @app.post("/v1/apps/{app_code}/rooms", response_model=s.CommandResponse, tags=["commands"])
+    @app.post("/v1/apps/{app_code}/rooms", response_model=s.CommandResponse, tags=["commands"], responses=_CREATE)
+    @command_endpoint(c.CreateRoom.name)
     async def create_room(app_code: AppCode, body: s.CreateRoomBody) -> dict[str, Any]:
+        entering_pipeline()
         return await service.execute(app_code, body.room_id, body.command_id, body.to_command())
 
-    def register(suffix: str, body_type: type[s._Body], name: str) -> None:
+    def register(name: str) -> None:
+        suffix, body_type, command, responses = _COMMANDS[name]
+
+        @command_endpoint(command.name)
         async def handler(app_code: str, room_id: str, body: s._Body) -> dict[str, Any]:
+            entering_pipeline()
             return await service.execute(app_code, room_id, body.command_id, body.to_command())
 
         # FastAPI reads the annotations: give each route its own body model
@@ -122,21 +182,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
             response_model=s.CommandResponse,
             tags=["commands"],
             name=name,
+            responses=responses,
         )(handler)
 
-    register("join", s.JoinBody, "join_room")
-    register("leave", s.LeaveBody, "leave_room")
-    register("mic/take", s.TakeMicBody, "take_mic")
-    register("mic/leave", s.LeaveMicBody, "leave_mic")
-    register("gifts", s.GiftBody, "send_gift")
-    register("kick", s.KickBody, "kick_user")
-    register("close", s.CloseBody, "close_room")
+    for name in _COMMANDS:
+        register(name)
 
-    @app.get("/v1/apps/{app_code}/rooms/{room_id}", tags=["reads"])
+    @app.get("/v1/apps/{app_code}/rooms/{room_id}", tags=["reads"], responses=_READ)
     async def get_room(app_code: AppCode, room_id: RoomIdPath) -> dict[str, Any]:
         return await service.room(app_code, room_id)
 
-    @app.get("/v1/apps/{app_code}/rooms", tags=["reads"])
+    @app.get("/v1/apps/{app_code}/rooms", tags=["reads"], responses=_READ)
     async def list_rooms(app_code: AppCode) -> dict[str, Any]:
         return {"rooms": await service.rooms(app_code)}
 
@@ -160,18 +216,20 @@ def create_app(ctx: ApiContext) -> FastAPI:
             return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     async def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not ctx.admin_token or not hmac.compare_digest(token, ctx.admin_token):
+        if not token_ok(authorization, ctx.admin_token):
             raise errors.Unauthorized()
 
-    @app.get("/admin/status", tags=["admin"], dependencies=[Depends(require_admin)])
+    @app.get("/admin/status", tags=["admin"], dependencies=[Depends(require_admin)], responses=ADMIN_RESPONSES)
     async def admin_status() -> dict[str, Any]:
         return {"active_cells": len(service.registry)}
 
     if ctx.outbox_admin is not None:
         from roomservice.admin.http import admin_router
 
-        app.include_router(admin_router(ctx.outbox_admin, require_admin))
+        router = admin_router(
+            ctx.outbox_admin, require_admin, route_class=app.router.route_class, responses=ADMIN_RESPONSES
+        )
+        app.include_router(router)
 
-    app.add_middleware(BodyLimit, max_bytes=lim.MAX_BODY_BYTES)
+    app.add_middleware(Edge, admin_token=ctx.admin_token)
     return app

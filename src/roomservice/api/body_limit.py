@@ -1,65 +1,67 @@
-"""ASGI middleware: refuse request bodies over a byte limit with 413 (uvicorn has no limit).
+"""Reading a request body: at most ``max_bytes`` (uvicorn has no limit) and within a deadline (nor has it one).
 
-Bodies are small (64 KiB), so the middleware reads the whole body first, then
-hands it to the app in one piece; an oversized body never reaches a handler.
+The route reads the whole body before anything parses it (bodies are small,
+64 KiB): an oversized body is ``413 payload_too_large``, a body that has not
+fully arrived ``timeout_s`` after the handler started reading it is ``400
+invalid_argument`` and the connection is closed (a client trickling a byte at
+a time is held for ``timeout_s``, not forever). The deadline covers the whole
+body, not the gap between chunks. Headers are read by uvicorn before the app
+sees the request; see docs/http.md for what bounds them.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Message
 
-from roomservice.errors import PayloadTooLarge
-
-
-class BodyLimit:
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _reject(send)
-                return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # client went away
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await _reject(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        delivered = False
-
-        async def replay_receive() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay_receive, send)
+from roomservice import errors
 
 
-async def _reject(send: Send) -> None:
-    body = json.dumps(PayloadTooLarge().to_body()).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 413,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+class ClosesConnection:
+    """Marks an error whose answer carries ``Connection: close`` (the rest of the request is not read)."""
+
+
+class BodyReadTimeout(ClosesConnection, errors.InvalidArgument):
+    """The body did not arrive in time. SPEC §8 has no 408: it is an invalid request."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before sending the whole body: nobody is left to answer."""
+
+
+async def read_body(request: Request, *, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body of ``request``; raises PayloadTooLarge, BodyReadTimeout or ClientGone."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise errors.PayloadTooLarge(f"request body over {max_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise errors.PayloadTooLarge(f"request body over {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyReadTimeout(f"request body not received within {timeout_s:g}s") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def replaying(request: Request, body: bytes) -> Request:
+    """A request over the same scope whose body is ``body`` (already read), for the handler to read again."""
+    delivered = False
+    receive = request.receive
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: the disconnect, when it comes
+
+    return Request(request.scope, replay)

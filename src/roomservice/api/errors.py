@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Final
 
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from roomservice import errors
 
@@ -40,3 +41,16 @@ def http_status(exc: errors.RoomServiceError) -> int:
 
 def error_response(exc: errors.RoomServiceError, *, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(exc.to_body(), status_code=http_status(exc), headers=headers)
+
+
+def from_http_exception(exc: HTTPException) -> errors.RoomServiceError:
+    """The error of the tree that a Starlette/FastAPI HTTPException (routing, body parsing) stands for."""
+    if exc.status_code == 404:
+        return errors.NotFound()
+    if exc.status_code == 405:
+        return errors.MethodNotAllowed()
+    if exc.status_code == 413:
+        return errors.PayloadTooLarge()
+    if exc.status_code == 401:
+        return errors.Unauthorized()
+    return errors.InvalidArgument(str(exc.detail))

@@ -1,4 +1,12 @@
-"""room_command_timing: one structured line per write command, success or failure (SPEC §2)."""
+"""room_command_timing: one structured line per write command request, success or failure (SPEC §2).
+
+The pipeline (``RoomService.execute``) emits it for every command it runs; a
+command request refused before it reaches the pipeline (bad JSON, a missing
+field, 413, a body that never came) is emitted by the route instead
+(``roomservice.api.routing``), with the error code as ``result`` and empty
+ids where the request gave no valid ones. Either way it counts once in
+``room_commands_total`` and ``room_command_seconds``.
+"""
 
 from __future__ import annotations
 
