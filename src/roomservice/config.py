@@ -48,6 +48,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -448,6 +449,12 @@ class Settings(_Block):
     activity: ActivityConfig = ActivityConfig()
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    _data_dir: Path | None = PrivateAttr(default=None)  # set by with_data_dir, never read from a file
+
+    @property
+    def data_dir(self) -> Path | None:
+        """The absolute data dir given to :meth:`with_data_dir` (``None``: never given one)."""
+        return self._data_dir
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -484,12 +491,15 @@ class Settings(_Block):
         return None
 
     def with_data_dir(self, data_dir: Path) -> Settings:
-        """Resolve ``{data_dir}`` in ``database.url`` to the absolute ``data_dir``."""
-        if DATA_DIR_PLACEHOLDER not in self.database.url:
-            return self
-        path = Path(data_dir).expanduser().resolve().as_posix()
-        database = self.database.model_copy(update={"url": self.database.url.replace(DATA_DIR_PLACEHOLDER, path)})
-        return self.model_copy(update={"database": database})
+        """Resolve ``{data_dir}`` in ``database.url`` to the absolute ``data_dir`` and remember
+        it as :attr:`data_dir` (where the embedded parts keep their files)."""
+        path = Path(data_dir).expanduser().resolve()
+        settings = self.model_copy()
+        if DATA_DIR_PLACEHOLDER in self.database.url:
+            url = self.database.url.replace(DATA_DIR_PLACEHOLDER, path.as_posix())
+            settings = self.model_copy(update={"database": self.database.model_copy(update={"url": url})})
+        settings._data_dir = path
+        return settings
 
     def with_overrides(self, overrides: Mapping[str, object]) -> Settings:
         """A re-validated copy with dotted keys replaced, e.g. ``{"outbox_worker.publish_mode": "mq"}``.

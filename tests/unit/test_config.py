@@ -828,7 +828,10 @@ def test_with_data_dir_substitutes_the_absolute_path(tmp_path: Path, monkeypatch
 @pytest.mark.usefixtures("all_built")
 def test_with_data_dir_leaves_urls_without_the_placeholder_alone(tmp_path: Path) -> None:
     s = load_settings(PACKAGED / "docker.yaml", env=DOCKER_ENV)
-    assert s.with_data_dir(tmp_path) == s
+    resolved = s.with_data_dir(tmp_path)
+    assert resolved.model_dump() == s.model_dump()
+    assert (s.data_dir, resolved.data_dir) == (None, tmp_path.resolve())
+    assert resolved.with_overrides({"http.port": 9}).data_dir == tmp_path.resolve()  # kept by a re-validation
 
 
 def test_with_overrides_revalidates_dotted_keys() -> None:

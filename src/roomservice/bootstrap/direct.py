@@ -61,8 +61,9 @@ async def _start_im(core: Core, targets: DirectTargets) -> TencentImPublisher:
     else:
         sdk_app_id = config.sdk_app_id or EMBEDDED_SDK_APP_ID
         secret = config.secret_key.get_secret_value() or secrets.token_hex(32)
+        data_dir = core.settings.data_dir  # None (tests without a data dir): the sandbox lives in memory
         sandbox = await core.stack.enter_async_context(
-            running_sandbox(sdk_app_id, secret, admin_identifiers=(config.admin_identifier,))
+            running_sandbox(sdk_app_id, secret, admin_identifiers=(config.admin_identifier,), state_dir=data_dir)
         )
         client = TencentImClient.from_config(
             config,
@@ -73,7 +74,14 @@ async def _start_im(core: Core, targets: DirectTargets) -> TencentImPublisher:
         )
         targets.sandbox = sandbox
         core.health.register("im_sandbox", _http_check(f"{sandbox.base_url}/_sandbox/healthz", sandbox.transport()))
-        _log.info("im_sandbox_started", url=sandbox.base_url, sdk_app_id=sdk_app_id)
+        kept = sandbox.state.persistence()
+        _log.info(
+            "im_sandbox_started",
+            url=sandbox.base_url,
+            sdk_app_id=sdk_app_id,
+            state=kept["path"] or "memory",
+            replayed=kept["replayed"],
+        )
     core.stack.push_async_callback(client.aclose)
     return TencentImPublisher(client, SentSteps(core.db, clock=core.clock), group_type=config.group_type)
 

@@ -5,7 +5,7 @@
     room-service db upgrade [--config FILE] [--data-dir DIR]
     room-service outbox stats|list|show|replay ...
     room-service activity serve [--config FILE] [--data-dir DIR] [--host H] [--port P]
-    room-service im-sandbox [--host H] [--port P] [--sdk-app-id N] [--secret-key-env VAR]
+    room-service im-sandbox [--host H] [--port P] [--sdk-app-id N] [--secret-key-env VAR] [--state-dir DIR]
 
 With no --config the packaged configs/local.yaml is used: SQLite at
 <data-dir>/room.db (data dir ./var), everything in process. The data dir is
@@ -257,11 +257,20 @@ def im_sandbox(
     admin_identifier: Annotated[
         list[str] | None, typer.Option("--admin-identifier", metavar="ID", help="App admin identifier (repeatable).")
     ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--state-dir",
+            metavar="DIR",
+            help="Keep accounts, groups and messages here across restarts (default: memory).",
+        ),
+    ] = None,
 ) -> None:
     """Run the Tencent IM sandbox alone: the REST subset room-service uses, plus /_sandbox/ controls.
 
     UserSigs are checked with the secret key read from the environment (never from the
-    command line). Prints the base URL once listening; SIGTERM/SIGINT stop it.
+    command line). Prints the base URL once listening; SIGTERM/SIGINT stop it. With
+    --state-dir the state is kept in DIR/im-sandbox-SDKAPPID.sqlite3 (one process at a time).
     """
     secret_key = os.environ.get(secret_key_env, "")
     if not secret_key:
@@ -271,14 +280,22 @@ def im_sandbox(
 
     configure_logging()
     admins = tuple(admin_identifier or ["administrator"])
+    from roomservice.integrations.im_sandbox import SandboxStateInUse
+
     try:
-        asyncio.run(_im_sandbox(host=host, port=port, sdk_app_id=sdk_app_id, secret_key=secret_key, admins=admins))
-    except OSError as exc:  # the address is taken or cannot be bound
+        asyncio.run(
+            _im_sandbox(
+                host=host, port=port, sdk_app_id=sdk_app_id, secret_key=secret_key, admins=admins, state_dir=state_dir
+            )
+        )
+    except (OSError, SandboxStateInUse, ValueError) as exc:  # address taken, state in use or of another app
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
 
 
-async def _im_sandbox(host: str, port: int, sdk_app_id: int, secret_key: str, admins: tuple[str, ...]) -> None:
+async def _im_sandbox(
+    host: str, port: int, sdk_app_id: int, secret_key: str, admins: tuple[str, ...], state_dir: Path | None
+) -> None:
     from roomservice.integrations.im_sandbox import RunningSandbox, run_sandbox
     from roomservice.observability.logging import get_logger
 
@@ -287,7 +304,11 @@ async def _im_sandbox(host: str, port: int, sdk_app_id: int, secret_key: str, ad
     def started(sandbox: RunningSandbox) -> None:
         typer.echo(sandbox.base_url)
         get_logger("roomservice.cli").info(
-            "im_sandbox_serving", base_url=sandbox.base_url, sdk_app_id=sdk_app_id, admins=list(admins)
+            "im_sandbox_serving",
+            base_url=sandbox.base_url,
+            sdk_app_id=sdk_app_id,
+            admins=list(admins),
+            state=sandbox.state.persistence()["path"] or "memory",
         )
 
     await run_sandbox(
@@ -298,6 +319,7 @@ async def _im_sandbox(host: str, port: int, sdk_app_id: int, secret_key: str, ad
         admin_identifiers=admins,
         stop=stop.requested,
         on_started=started,
+        state_dir=state_dir,
     )
     stop.complete()
 

@@ -7,8 +7,8 @@ after the injected outage (HTTP 503, or a connection closed mid-answer) and late
 Control API (JSON bodies and answers; never affected by injected faults):
 
 =======  =================================  ==============================================
-POST     /_sandbox/reset                    forget everything (accounts, groups, faults, log)
-GET      /_sandbox/state                    summary: groups, faults, request counts
+POST     /_sandbox/reset                    forget everything (accounts, groups, faults, log; on disk too)
+GET      /_sandbox/state                    summary: groups, faults, request counts, persistence
 POST     /_sandbox/outage                   ``{"mode": "http_503"|"reset"|null}``
 DELETE   /_sandbox/outage                   end the outage
 POST     /_sandbox/errors                   ``{"command", "code", "info"?, "count"?, "service"?}``
@@ -23,12 +23,13 @@ POST     /_sandbox/clock                    ``{"advance_s": s}``: move the sandb
 GET      /_sandbox/accounts                 imported accounts
 GET      /_sandbox/groups                   live and destroyed groups
 GET      /_sandbox/groups/{group_id}        one group (URL-encode ``@``/``#``)
+POST     /_sandbox/groups/{group_id}/dismiss        dismiss it as Tencent may (then 10010 everywhere)
 GET      /_sandbox/groups/{group_id}/messages       its messages (MsgSeq, Random, sender, Data)
 GET      /_sandbox/groups/{group_id}/notifications  its system notifications
 GET      /_sandbox/c2c                      one-to-one messages (``?to=`` filters)
 GET      /_sandbox/requests                 ``{"counts": {command: n}, "entries": [...]}``
                                             (``?command=`` filters, ``?limit=`` last N entries)
-GET      /_sandbox/healthz                  ``{"ok": true}``
+GET      /_sandbox/healthz                  ``{"ok": true}``; 503 while the state cannot be saved
 =======  =================================  ==============================================
 """
 
@@ -241,6 +242,12 @@ def create_app(state: SandboxState) -> ASGIApp:
             return JSONResponse({"ok": False, "error": "no such group"}, status_code=404)
         return {"group_id": found.group_id, "messages": [m.to_json() for m in found.messages]}
 
+    def dismiss(request: Request, _d: dict[str, Any]) -> Any:
+        group_id = request.path_params["group_id"]
+        if group_id not in state.groups:
+            return JSONResponse({"ok": False, "error": "no such live group"}, status_code=404)
+        return state.dismiss_group(group_id).to_json(state.now())
+
     def notifications(request: Request, _d: dict[str, Any]) -> Any:
         found = state.group(request.path_params["group_id"])
         if found is None:
@@ -259,6 +266,8 @@ def create_app(state: SandboxState) -> ASGIApp:
         return {"counts": state.request_counts(), "entries": [r.to_json() for r in entries]}
 
     def healthz(_r: Request, _d: dict[str, Any]) -> Any:
+        if state.journal_error is not None:
+            return JSONResponse({"ok": False, "error": f"state not saved: {state.journal_error}"}, status_code=503)
         return {"ok": True}
 
     routes = [
@@ -276,6 +285,7 @@ def create_app(state: SandboxState) -> ASGIApp:
         Route("/_sandbox/groups", control(groups), methods=["GET"]),
         Route("/_sandbox/groups/{group_id:path}/messages", control(messages), methods=["GET"]),
         Route("/_sandbox/groups/{group_id:path}/notifications", control(notifications), methods=["GET"]),
+        Route("/_sandbox/groups/{group_id:path}/dismiss", control(dismiss), methods=["POST"]),
         Route("/_sandbox/groups/{group_id:path}", control(group), methods=["GET"]),
         Route("/_sandbox/c2c", control(c2c), methods=["GET"]),
         Route("/_sandbox/requests", control(requests), methods=["GET"]),

@@ -1,4 +1,7 @@
 """Run the IM sandbox: in process (``async with running_sandbox(...)``) or alone (``run_sandbox``).
+With ``state_dir`` its state is kept in ``<state_dir>/im-sandbox-<sdk_app_id>.sqlite3`` and a
+restart on the same dir sees the same accounts, groups and messages (:mod:`.journal`);
+without, it lives in memory.
 
 The server is uvicorn on the current event loop, on a socket we bind first (so port 0
 gives a free port, known before the first request, and a bind failure is a plain
@@ -21,6 +24,7 @@ import httpx
 import uvicorn
 
 from roomservice.integrations.im_sandbox.app import create_app
+from roomservice.integrations.im_sandbox.journal import SandboxJournal, state_file
 from roomservice.integrations.im_sandbox.state import SandboxState
 
 __all__ = ["RunningSandbox", "run_sandbox", "running_sandbox"]
@@ -87,17 +91,41 @@ async def running_sandbox(
     rate_limit_per_second: float | None = 200.0,
     clock: Callable[[], float] = time.time,
     state: SandboxState | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
 ) -> AsyncIterator[RunningSandbox]:
     """Serve a sandbox for app ``sdk_app_id`` (UserSigs checked with ``secret_key``) until
-    the block exits. ``port`` 0 picks a free port; ``uds`` serves on a unix socket instead."""
+    the block exits. ``port`` 0 picks a free port; ``uds`` serves on a unix socket instead.
+    ``state_dir``: keep the state there (replayed now; raises
+    :class:`~.journal.SandboxStateInUse` while another process uses it); ``None``: memory."""
+    journal: SandboxJournal | None = None
     if state is None:
-        state = SandboxState(
-            sdk_app_id,
-            secret_key,
-            admin_identifiers=admin_identifiers,
-            rate_limit_per_second=rate_limit_per_second,
-            clock=clock,
-        )
+        if state_dir is not None:
+            journal = SandboxJournal(state_file(state_dir, sdk_app_id), sdk_app_id=sdk_app_id)
+        try:
+            state = SandboxState(
+                sdk_app_id,
+                secret_key,
+                admin_identifiers=admin_identifiers,
+                rate_limit_per_second=rate_limit_per_second,
+                clock=clock,
+                journal=journal,
+            )
+        except BaseException:
+            if journal is not None:
+                journal.close()
+            raise
+    elif state_dir is not None:
+        raise ValueError("pass state or state_dir, not both (give the state its journal instead)")
+    try:
+        async with _serving(state, host=host, port=port, uds=uds) as running:
+            yield running
+    finally:
+        if journal is not None:
+            journal.close()
+
+
+@contextlib.asynccontextmanager
+async def _serving(state: SandboxState, *, host: str, port: int, uds: str | None) -> AsyncIterator[RunningSandbox]:
     state.stopping.clear()
     sock = _bind(host, port, uds)
     bound_port = 0 if uds is not None else int(sock.getsockname()[1])
@@ -146,6 +174,7 @@ async def run_sandbox(
     rate_limit_per_second: float | None = 200.0,
     stop: asyncio.Event | None = None,
     on_started: Callable[[RunningSandbox], None] | None = None,
+    state_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Serve the sandbox until ``stop`` is set (or the task is cancelled)."""
     async with running_sandbox(
@@ -155,6 +184,7 @@ async def run_sandbox(
         port=port,
         admin_identifiers=admin_identifiers,
         rate_limit_per_second=rate_limit_per_second,
+        state_dir=state_dir,
     ) as sandbox:
         if on_started is not None:
             on_started(sandbox)

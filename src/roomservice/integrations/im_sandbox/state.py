@@ -1,5 +1,7 @@
-"""In-memory state and request handling of the IM sandbox (no I/O: the ASGI app in
-:mod:`.app` feeds it requests; tests may also drive it directly).
+"""State and request handling of the IM sandbox (no network I/O: the ASGI app in
+:mod:`.app` feeds it requests; tests may also drive it directly). The state is in memory;
+given a :class:`~.journal.SandboxJournal` it is also kept on disk and survives a restart
+(see :mod:`.journal`).
 
 It speaks the Tencent IM REST subset room-service uses, with Tencent's documented
 semantics where they matter to us:
@@ -21,7 +23,8 @@ semantics where they matter to us:
   a muted sender gets 10017;
 * ``openim/sendmsg``: duplicates are (sender, MsgSeq, MsgRandom, CRC32 of the body) within
   120 seconds, as Tencent documents for one-to-one messages;
-* a missing or dismissed group answers 10010 (``get_group_info`` reports it per group).
+* a missing or dismissed group answers 10010 (``get_group_info`` reports it per group);
+  :meth:`SandboxState.dismiss_group` dismisses one the way Tencent may (console, inactivity).
 
 Codes for malformed requests (10004 group APIs, 70402 account APIs, 90001/90002 openim)
 follow Tencent's tables as closely as they are documented; nothing here depends on them.
@@ -41,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
+from roomservice.integrations.im_sandbox.journal import SandboxJournal
 from roomservice.integrations.tencent_im.ratelimit import TokenBucket
 from roomservice.integrations.tencent_im.usersig import UserSigError, verify_usersig
 
@@ -51,6 +55,8 @@ GROUP_TYPES = frozenset({"Private", "Public", "ChatRoom", "AVChatRoom", "Communi
 GROUP_DUPLICATE_WINDOW_S = 300.0
 C2C_DUPLICATE_WINDOW_S = 120.0
 _USERSIG_CODES = {"expired": 70001, "malformed": 70003, "bad_signature": 70009, "wrong_app": 70014}
+_READ_ONLY = frozenset({("group_open_http_svc", "get_group_info")})  # every other handled call changes state
+_CONTROL = "_sandbox"  # journal rows of controls that change state (service name no REST path has)
 
 
 class _Fail(Exception):
@@ -258,7 +264,9 @@ class SandboxState:
         rate_limit_per_second: float | None = 200.0,
         clock: Callable[[], float] = time.time,
         max_log: int = 100_000,
+        journal: SandboxJournal | None = None,
     ) -> None:
+        """``journal``: keep the state there too (replayed now, appended to per change)."""
         self.sdk_app_id = sdk_app_id
         self.secret_key = secret_key
         self.admin_identifiers = frozenset(admin_identifiers)
@@ -267,12 +275,24 @@ class SandboxState:
         self._clock = clock
         self.clock_offset = 0.0
         self.stopping = asyncio.Event()  # set while the server shuts down: injected latency ends early
-        self.reset()
+        self._pinned_now: float | None = None  # the clock while one call is handled or replayed
+        self.journal = journal
+        self.journal_error: str | None = None  # the last failure to write the journal, if any
+        self.replayed = 0
+        self.replay_failures = 0
+        self._forget()
+        if journal is not None:
+            self._replay(journal)
 
     # ----------------------------------------------------------------- control
 
     def reset(self) -> None:
-        """Forget all accounts, groups, messages, faults and the request log."""
+        """Forget all accounts, groups, messages, faults and the request log (on disk too)."""
+        if self.journal is not None:
+            self.journal.clear()
+        self._forget()
+
+    def _forget(self) -> None:
         self.accounts: dict[str, Account] = {}
         self.groups: dict[str, Group] = {}
         self.destroyed: list[Group] = []
@@ -289,6 +309,8 @@ class SandboxState:
         self._c2c_counter = 0
 
     def now(self) -> float:
+        if self._pinned_now is not None:
+            return self._pinned_now
         return self._clock() + self.clock_offset
 
     def advance_clock(self, seconds: float) -> float:
@@ -338,6 +360,18 @@ class SandboxState:
         self.rate_limit_per_second = per_second
         self._buckets.clear()
 
+    def dismiss_group(self, group_id: str) -> Group:
+        """Dismiss a live group as Tencent may do on its own (from the console, or an idle
+        AVChatRoom): it is gone for every API (10010), as after ``destroy_group``.
+        Raises ``KeyError`` when there is no such live group."""
+        if group_id not in self.groups:
+            raise KeyError(f"no live group {group_id}")
+        self._apply(_CONTROL, "dismiss_group", "", {"GroupId": group_id})
+        return self.destroyed[-1]
+
+    def _dismiss(self, req: dict[str, Any], _identifier: str) -> dict[str, Any]:
+        return self._destroy_group(req, _identifier)
+
     # ----------------------------------------------------------------- views
 
     def group(self, group_id: str) -> Group | None:
@@ -372,8 +406,18 @@ class SandboxState:
             "groups": [g.to_json(now) for g in self.groups.values()],
             "destroyed_groups": [g.to_json(now) for g in self.destroyed],
             "c2c_messages": len(self.c2c),
+            "persistence": self.persistence(),
             "faults": self.faults(),
             "request_counts": self.request_counts(),
+        }
+
+    def persistence(self) -> dict[str, Any]:
+        """Where the state is kept: ``path`` None means memory only (lost when the process ends)."""
+        return {
+            "path": None if self.journal is None else str(self.journal.path),
+            "replayed": self.replayed,
+            "replay_failures": self.replay_failures,
+            "error": self.journal_error,
         }
 
     def faults(self) -> dict[str, Any]:
@@ -409,15 +453,49 @@ class SandboxState:
                 raise _Fail(60003, f"request body is not JSON: {exc}") from exc
             if not isinstance(request, dict):
                 raise _Fail(60003, "request body must be a JSON object")
-            handler = self._handlers().get((service, command))
-            if handler is None:
+            if (service, command) not in self._handlers():
                 raise _Fail(60009, f"no such API: {service}/{command}")
-            result = handler(request, identifier)
+            result = self._apply(service, command, identifier, request)
         except _Fail as fail:
             self.record(service, command, identifier, 200, fail.code)
             return SandboxReply(200, {"ActionStatus": "FAIL", "ErrorCode": fail.code, "ErrorInfo": fail.info})
         self.record(service, command, identifier, 200, 0)
         return SandboxReply(200, {"ActionStatus": "OK", "ErrorCode": 0, "ErrorInfo": "", **result})
+
+    def _apply(self, service: str, command: str, identifier: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Run one handler with the clock pinned; journal the call if it changed the state."""
+        key = (service, command)
+        handler = self._handlers()[key] if service != _CONTROL else self._controls()[command]
+        self._pinned_now = at = self.now()
+        try:
+            result = handler(request, identifier)
+        finally:
+            self._pinned_now = None
+        if self.journal is not None and key not in _READ_ONLY:
+            try:
+                self.journal.append(at, service, command, identifier, request)
+            except Exception as exc:  # disk full, file removed...: the change would not survive a restart
+                self.journal_error = f"{type(exc).__name__}: {exc}"
+                raise _Fail(10002, f"internal error: the sandbox could not save its state ({exc})") from exc
+            self.journal_error = None
+        return result
+
+    def _replay(self, journal: SandboxJournal) -> None:
+        """Rebuild the state from the journal: every row through its handler, at its time."""
+        handlers, controls = self._handlers(), self._controls()
+        for entry in journal.entries():
+            key = (entry.service, entry.command)
+            handler = controls.get(entry.command) if entry.service == _CONTROL else handlers.get(key)
+            self._pinned_now = entry.at
+            try:
+                if handler is None:
+                    raise _Fail(60009, f"no such API: {entry.service}/{entry.command}")
+                handler(entry.request, entry.identifier)
+                self.replayed += 1
+            except _Fail:  # answered OK once, refused now: the handlers changed since (counted, shown in summary)
+                self.replay_failures += 1
+            finally:
+                self._pinned_now = None
 
     def _authenticate(self, query: Mapping[str, str]) -> None:
         app = query.get("sdkappid")
@@ -476,6 +554,9 @@ class SandboxState:
             ("group_open_http_svc", "destroy_group"): self._destroy_group,
             ("openim", "sendmsg"): self._sendmsg,
         }
+
+    def _controls(self) -> dict[str, Callable[[dict[str, Any], str], dict[str, Any]]]:
+        return {"dismiss_group": self._dismiss}
 
     # ----------------------------------------------------------------- accounts
 
