@@ -15,10 +15,11 @@ from structlog.testing import capture_logs
 from tests.api.conftest import ADMIN_TOKEN
 
 from roomservice.api.app import ApiContext, create_app
-from roomservice.api.server import HTTP_PROTOCOL
+from roomservice.api.server import http_protocol
 from roomservice.bootstrap import Process
 
 BODY_TIMEOUT_S = 0.5
+HEAD_TIMEOUT_S = 0.5
 WITHIN_S = 10.0  # generous: the bound under test is BODY_TIMEOUT_S
 
 
@@ -36,7 +37,8 @@ async def serving(rt: Process) -> AsyncIterator[int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, http=HTTP_PROTOCOL, log_config=None, access_log=False, lifespan="off")
+    protocol = http_protocol(head_timeout_s=HEAD_TIMEOUT_S)
+    config = uvicorn.Config(app, http=protocol, log_config=None, access_log=False, lifespan="off")
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -152,4 +154,53 @@ async def test_a_slow_but_complete_body_within_the_timeout_is_served(api_runtime
         writer.write(body[10:])
         status, _headers, answer = await asyncio.wait_for(read_response(reader), WITHIN_S)
         assert status == 200, answer
+        writer.close()
+
+
+async def test_a_trickled_request_head_gets_a_json_400_after_the_head_timeout(api_runtime: Process) -> None:
+    async with serving(api_runtime) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+
+        async def trickle() -> None:  # a header byte every 50 ms: never idle, never done
+            with contextlib.suppress(ConnectionError):
+                while True:
+                    writer.write(b"X")
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+
+        trickling = asyncio.create_task(trickle())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            status, headers, body = await asyncio.wait_for(read_response(reader), WITHIN_S)
+            rest = await asyncio.wait_for(reader.read(), WITHIN_S)
+        finally:
+            trickling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await trickling
+        assert status == 400
+        assert_error_body(headers, body, "invalid_argument", "request head not received within")
+        assert rest == b""
+        assert loop.time() - started >= HEAD_TIMEOUT_S * 0.9
+        writer.close()
+
+
+async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(api_runtime: Process) -> None:
+    async with serving(api_runtime) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(), WITHIN_S) == b""
+        writer.close()
+
+
+async def test_a_second_request_on_a_kept_alive_connection_gets_its_own_head_deadline(api_runtime: Process) -> None:
+    async with serving(api_runtime) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _headers, _body = await asyncio.wait_for(read_response(reader), WITHIN_S)
+        assert status == 200
+        writer.write(b"GET /healthz HTTP/1.1\r\n")  # and the rest never comes
+        status, headers, body = await asyncio.wait_for(read_response(reader), WITHIN_S)
+        assert status == 400
+        assert_error_body(headers, body, "invalid_argument", "request head")
         writer.close()
