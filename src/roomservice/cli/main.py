@@ -113,6 +113,7 @@ def _stop_deadline_s(settings: Settings, *, http: bool) -> float:
 
 async def _serve(settings: Settings, *, host: str, port: int, token: str, data_dir: Path) -> None:
     from roomservice.api.app import ApiContext, create_app
+    from roomservice.api.server import HTTP_PROTOCOL
     from roomservice.bootstrap import Process
     from roomservice.observability.logging import get_logger
 
@@ -137,6 +138,7 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 log_config=None,
                 access_log=False,
                 lifespan="off",
+                http=HTTP_PROTOCOL,  # uvicorn's own 400s in the error shape
                 timeout_graceful_shutdown=HTTP_DRAIN_S,
             )
         )
