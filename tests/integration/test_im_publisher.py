@@ -6,7 +6,9 @@ imported first; 10025 is success, 10021 permanent), one custom message per room 
 (``Data`` and ``Random``), deduplication by Tencent's 5-minute ``Random`` window and,
 beyond it, by our own record; membership control by group type; RoomClosed's message
 then destroy; error classification (outage, 10004, UserSig expiry, deadline); and a
-retry after a partial failure re-sending only the steps that did not happen.
+retry after a partial failure re-sending only the steps that did not happen; and a
+group missing for an open room (dismissed by IM, or forgotten by a restarted one) ensured
+again from ``room_meta`` before the step, but never for a closed room.
 
 Requests are counted per command with the sandbox's request log (``request_counts``).
 """
@@ -554,3 +556,117 @@ async def test_a_late_room_created_retry_does_not_bring_a_destroyed_group_back(
     assert group not in sandbox.state.groups
     await publish(publisher, created())  # the RoomCreated row's retry arrives last
     assert group not in sandbox.state.groups
+
+
+# --------------------------------------------------------------------------- a missing group is ensured again
+
+
+async def store_room(db: Database, *, status: str = "open", owner: str = OWNER, title: str = "Room one") -> None:
+    """The room's ``room_meta`` row, as the write path leaves it (only owner, title and status matter)."""
+    now = now_ms()
+    async with db.write() as conn:
+        await conn.execute(
+            sa.insert(t.room_meta).values(
+                app_code=APP, room_id=ROOM, version=3, lease_epoch=1, owner_id=owner, title=title, status=status,
+                seat_count=8, member_count=1, heat=0, created_at_ms=now, updated_at_ms=now,
+            )
+        )  # fmt: skip
+
+
+def commands_since(sandbox: RunningSandbox, before: int) -> list[tuple[str, int]]:
+    return [(r.command, r.error_code) for r in sandbox.state.requests[before:]]
+
+
+async def test_a_group_dismissed_by_im_is_ensured_again_for_an_open_room_then_the_message_sent(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    await store_room(database, title="Friday night")
+    await room_with_group(publisher)
+    sandbox.state.dismiss_group(group_of())  # Tencent dismissed it (console, idle AVChatRoom, lost state...)
+    ev = joined()
+    before = len(sandbox.state.requests)
+    await publish(publisher, ev)
+    assert commands_since(sandbox, before) == [
+        ("send_group_msg", 10010),
+        ("account_import", 0),  # the owner, as RoomCreated's EnsureGroup does
+        ("create_group", 0),
+        ("send_group_msg", 0),
+    ]
+    group = sandbox.state.groups[group_of()]
+    assert (group.type, group.owner, group.name) == (AV, OWNER, "Friday night")
+    assert [m["event_id"] for m in custom_data(sandbox)] == [ev.event_id]
+    assert await publisher.steps.done(ev.event_id) == {MESSAGE}
+    assert await delta(sandbox, publish(publisher, ev)) == {}
+
+
+async def test_a_group_lost_by_a_restarted_im_is_ensured_again_for_a_kick(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    await store_room(database)
+    sandbox.state.reset()  # an IM that forgot everything: no group, no accounts
+    ev = kicked(target="carol", ban_seconds=900)
+    before = len(sandbox.state.requests)
+    await publish(publisher, ev)
+    assert commands_since(sandbox, before) == [
+        ("ban_group_member", 10010),
+        ("account_import", 0),
+        ("create_group", 0),
+        ("ban_group_member", 0),  # the ban matters in a new group too: carol cannot come back for 900 s
+        ("send_group_msg", 0),
+    ]
+    assert sandbox.state.groups[group_of()].banned.keys() == {account_id_for("carol")}
+    assert await publisher.steps.done(ev.event_id) == {MEMBER, MESSAGE}
+
+
+async def test_a_room_closed_in_the_store_does_not_get_its_group_back(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    await store_room(database, status="closed")  # RoomClosed committed, its row not delivered yet
+    await room_with_group(publisher)
+    sandbox.state.dismiss_group(group_of())
+    late = joined()
+    before = len(sandbox.state.requests)
+    await publish(publisher, late)
+    assert commands_since(sandbox, before) == [("send_group_msg", 10010)]  # no create_group
+    assert await publisher.steps.done(late.event_id) == {MESSAGE}  # done: nobody to tell
+    ev = closed()
+    await publish(publisher, ev)  # RoomClosed itself: the group is gone already, which is what it wanted
+    assert group_of() not in sandbox.state.groups
+    assert await publisher.steps.done(ev.event_id) == {MESSAGE, DESTROY}
+
+
+async def test_a_group_we_destroyed_is_not_ensured_again_even_if_the_store_says_open(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    await store_room(database)  # e.g. the room_meta row of a room id reused after a close
+    await room_with_group(publisher)
+    await publish(publisher, closed())
+    before = len(sandbox.state.requests)
+    await publish(publisher, joined(version=3))
+    assert commands_since(sandbox, before) == [("send_group_msg", 10010)]
+    assert group_of() not in sandbox.state.groups
+
+
+async def test_a_group_still_missing_after_ensuring_it_is_retryable(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    await store_room(database)
+    sandbox.state.inject_error("send_group_msg", 10010, "group does not exist", count=2)
+    ev = joined()
+    with pytest.raises(RetryableError, match="10010"):
+        await publish(publisher, ev)
+    assert errors_of(sandbox, "create_group") == [0]  # ensured once, not in a loop
+    assert await publisher.steps.done(ev.event_id) == set()
+    await publish(publisher, ev)  # the next attempt finds the group
+    assert [m["event_id"] for m in custom_data(sandbox)] == [ev.event_id]
+
+
+async def test_a_group_id_taken_by_someone_else_meanwhile_stays_permanent(
+    publisher: TencentImPublisher, client: TencentImClient, sandbox: RunningSandbox, database: Database
+) -> None:
+    await store_room(database)
+    sandbox.state.inject_error("send_group_msg", 10015, "group id invalid", count=1)
+    await client.account_import("mallory")
+    await client.create_group(group_of(), "mallory", "Not yours", AV)
+    with pytest.raises(PermanentError, match="10021"):
+        await publish(publisher, joined())

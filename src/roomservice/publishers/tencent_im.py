@@ -11,6 +11,14 @@ Per SPEC §3/§5:
   AVChatRoom ban them, falling back to muting them for the ban length);
 * RoomClosed -> the message, then destroy the group ("group not found" counts as done).
 
+A step that finds no group (10010/10015) for a room that is not closed means the group is
+missing — Tencent dismissed it, or an IM without memory (the embedded sandbox before it
+kept its state) forgot it — so the publisher ensures the group again, as for RoomCreated,
+with the owner and title of the room's ``room_meta`` row, and retries the step once. A
+group we destroyed ourselves (RoomClosed's ``destroy`` step recorded) or a room that is
+closed in ``room_meta`` is not brought back: the step counts as done. A room with no
+``room_meta`` row (nothing to take the owner from) stays retryable, as before.
+
 Every step that succeeded is recorded in ``im_sent_event`` (event_id, step), so a retry —
 even after the 5-minute window — re-sends only the steps that did not happen.
 """
@@ -18,13 +26,15 @@ even after the 5-minute window — re-sends only the steps that did not happen.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
 from roomservice.domain import events as e
 from roomservice.domain.routing import Target
+from roomservice.domain.state import CLOSED
 from roomservice.integrations.tencent_im import errors as im_errors
 from roomservice.integrations.tencent_im.client import (
     TencentImClient,
@@ -43,8 +53,18 @@ GROUP, MEMBER, MESSAGE, DESTROY = "group", "member", "message", "destroy"
 AVCHATROOM = "AVChatRoom"
 
 
+@dataclass(frozen=True, slots=True)
+class RoomOfGroup:
+    """What ensuring a room's group again needs, from ``room_meta``."""
+
+    owner_id: str
+    title: str
+    status: str
+
+
 class SentSteps:
-    """Our own record of IM steps done per event (Tencent dedupes for 5 minutes only)."""
+    """Our own record of IM steps done per event (Tencent dedupes for 5 minutes only), and
+    the room a missing group is re-created for."""
 
     def __init__(self, db: Database, *, clock: Callable[[], int]) -> None:
         self._db = db
@@ -58,6 +78,15 @@ class SentSteps:
             .where(t.im_sent_event.c.group_id == sa.bindparam("group_id"), t.im_sent_event.c.operation == DESTROY)
             .limit(1)
         )
+        meta = t.room_meta.c
+        self._room = sa.select(meta.owner_id, meta.title, meta.status).where(
+            meta.app_code == sa.bindparam("app_code"), meta.room_id == sa.bindparam("room_id")
+        )
+
+    async def room(self, app_code: str, room_id: str) -> RoomOfGroup | None:
+        """The room's owner, title and status; ``None``: no such room in the store."""
+        rows = await self._db.run_read(_rows, self._room, {"app_code": app_code, "room_id": room_id})
+        return RoomOfGroup(str(rows[0].owner_id), str(rows[0].title), str(rows[0].status)) if rows else None
 
     async def done(self, event_id: str) -> set[str]:
         rows = await self._db.run_read(_rows, self._select, {"event_id": event_id})
@@ -125,10 +154,13 @@ class TencentImPublisher:
                 await self.steps.record(sent_id, group, GROUP)
             return
         if isinstance(p, e.RoomUserKicked) and MEMBER not in done:
-            await self._remove_member(group, p.target_id, p.ban_seconds, deadline)
+            target_id, ban_seconds = p.target_id, p.ban_seconds
+            await self._in_group(
+                event, group, lambda: self._remove_member(group, target_id, ban_seconds, deadline), deadline
+            )
             await self.steps.record(sent_id, group, MEMBER)
         if MESSAGE not in done:
-            await self._send_message(group, event, deadline)
+            await self._in_group(event, group, lambda: self._send_message(group, event, deadline), deadline)
             await self.steps.record(sent_id, group, MESSAGE)
         if isinstance(p, e.RoomClosed) and DESTROY not in done:
             await self._destroy(group, deadline)
@@ -152,14 +184,9 @@ class TencentImPublisher:
                 raise
 
     async def _send_message(self, group: str, event: e.Event, deadline: float) -> None:
-        try:
-            await self.client.send_group_msg(
-                group, message_data(event), random=random_for(event.event_id), deadline=deadline
-            )
-        except im_errors.ImPermanentError as exc:
-            if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:
-                raise
-            await self._group_missing(group, exc)
+        await self.client.send_group_msg(
+            group, message_data(event), random=random_for(event.event_id), deadline=deadline
+        )
 
     async def _remove_member(self, group: str, user_id: str, ban_seconds: int, deadline: float) -> None:
         member = account_id_for(user_id)
@@ -178,17 +205,44 @@ class TencentImPublisher:
         except im_errors.ImPermanentError as exc:
             if exc.code == im_errors.ACCOUNT_NOT_FOUND:  # never in IM: nothing to remove
                 return
+            raise
+
+    async def _in_group(self, event: e.Event, group: str, step: Callable[[], Awaitable[None]], deadline: float) -> None:
+        """Run a step that needs the group; if the group is missing, ensure it again and
+        run the step once more (unless the room is closed: then the step is moot)."""
+        try:
+            await step()
+            return
+        except im_errors.ImPermanentError as exc:
             if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:
                 raise
-            await self._group_missing(group, exc)
+            missing = exc
+        if not await self._ensure_missing_group(event, group, missing, deadline):
+            return
+        try:
+            await step()
+        except im_errors.ImPermanentError as exc:
+            if exc.code not in im_errors.GROUP_NOT_FOUND_CODES:
+                raise
+            # created a moment ago and still not found: IM is not consistent yet; try again later
+            raise im_errors.ImRetryableError(str(exc), code=exc.code, info=exc.info, command=exc.command) from exc
 
-    async def _group_missing(self, group: str, exc: im_errors.ImError) -> None:
-        """A step found no group: done if we destroyed it (the room closed), else retry later
-        (the RoomCreated row may not have created it yet)."""
+    async def _ensure_missing_group(self, event: e.Event, group: str, exc: im_errors.ImError, deadline: float) -> bool:
+        """A step found no group. False: the room is closed (we destroyed the group, or
+        ``room_meta`` says closed), the step is done. True: the group was ensured again.
+        A room the store does not know stays retryable (nothing to take the owner from)."""
         if await self.steps.destroyed(group):
             _log.info("im_step_for_closed_room_dropped", group_id=group, command=exc.command)
-            return
-        raise im_errors.ImRetryableError(str(exc), code=exc.code, info=exc.info, command=exc.command) from exc
+            return False
+        room = await self.steps.room(event.app_code, event.room_id)
+        if room is None:
+            raise im_errors.ImRetryableError(str(exc), code=exc.code, info=exc.info, command=exc.command) from exc
+        if room.status == CLOSED:
+            _log.info("im_step_for_closed_room_dropped", group_id=group, command=exc.command)
+            return False
+        _log.warning("im_group_missing_ensuring_again", group_id=group, command=exc.command, code=exc.code)
+        await self._ensure_group(group, room.owner_id, room.title, deadline)
+        return True
 
     async def _destroy(self, group: str, deadline: float) -> None:
         try:
