@@ -107,6 +107,29 @@ async def post(http: httpx.AsyncClient, url: str, path: str, body: dict[str, Any
     return await http.post(f"{url}/v1/apps/{APP}/rooms{path}", json=body, headers={"Connection": "close"})
 
 
+async def room_with_giver(http: httpx.AsyncClient, url: str, room: str) -> None:
+    body = {"command_id": f"create-{room}", "room_id": room, "owner_id": "owner", "title": "t"}
+    (await post(http, url, "", body)).raise_for_status()
+    (await post(http, url, f"/{room}/join", {"command_id": f"join-{room}", "user_id": "giver"})).raise_for_status()
+
+
+def send_gift(http: httpx.AsyncClient, url: str, room: str) -> asyncio.Task[httpx.Response]:
+    body = {"command_id": f"gift-{room}", "sender_id": "giver", "receiver_id": "owner", "gift_id": "rose", "count": 1}
+    return asyncio.create_task(post(http, url, f"/{room}/gifts", body))
+
+
+@asynccontextmanager
+async def serving(config: Path, data_dir: Path) -> AsyncIterator[tuple[subprocess.Popen[bytes], Path, str]]:
+    """A ``serve`` child (tests/e2e/server.py): its process, log file and base URL; killed after."""
+    server = ServerProcess(config=config, data_dir=data_dir)
+    server.start()
+    assert server.proc is not None
+    try:
+        yield server.proc, server.log, server.url
+    finally:
+        server.kill()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_serve_stops_gracefully_under_load(tmp_path: Path, sig: signal.Signals) -> None:
     db_path = tmp_path / "room.db"
@@ -123,91 +146,63 @@ async def test_serve_stops_gracefully_under_load(tmp_path: Path, sig: signal.Sig
                 f'outbox_worker: {{publish_timeout: "{PUBLISH_TIMEOUT}", lock_timeout: "60s", batch_size: 50}}\n'
             ),
         )
-        server = ServerProcess(config=config, data_dir=tmp_path / "data")
-        server.start()
-        assert server.proc is not None
-        try:
-            async with httpx.AsyncClient(timeout=30.0) as http:
-                url = server.url
-                # a room runs one command at a time: one room per gift puts every gift at the wallet
-                gift_rooms = [f"gift-{i}" for i in range(IN_FLIGHT_GIFTS)]
-                for room in ["r1", "r2", *gift_rooms]:
-                    body = {"command_id": f"create-{room}", "room_id": room, "owner_id": "owner", "title": "t"}
-                    (await post(http, url, "", body)).raise_for_status()
-                for room in gift_rooms:
-                    body = {"command_id": f"join-giver-{room}", "user_id": "giver"}
-                    (await post(http, url, f"/{room}/join", body)).raise_for_status()
+        async with serving(config, tmp_path / "data") as (proc, log_path, url), httpx.AsyncClient(timeout=30.0) as http:
+            # a room runs one command at a time: one room per gift puts every gift at the wallet
+            gift_rooms = [f"gift-{i}" for i in range(IN_FLIGHT_GIFTS)]
+            for room in ["r1", "r2", *gift_rooms]:
+                await room_with_giver(http, url, room)
 
-                answered: list[int] = []
-                load_errors: list[BaseException] = []
-                signalled = asyncio.Event()
+            answered: list[int] = []
+            load_errors: list[BaseException] = []
+            signalled = asyncio.Event()
 
-                async def load(n: int) -> None:
-                    i = 0
-                    while True:
-                        i += 1
-                        body = {"command_id": f"load-{n}-{i}", "user_id": f"u-{n}-{i}"}
-                        try:
-                            response = await post(http, url, f"/r{1 + n % 2}/join", body)
-                        except httpx.HTTPError as exc:
-                            # once the listener closes, new connections are refused (or, for a
-                            # connection caught in the accept backlog, reset): that is the stop
-                            if not signalled.is_set():
-                                load_errors.append(exc)
-                            return
-                        answered.append(response.status_code)
+            async def load(n: int) -> None:
+                i = 0
+                while True:
+                    i += 1
+                    body = {"command_id": f"load-{n}-{i}", "user_id": f"u-{n}-{i}"}
+                    try:
+                        response = await post(http, url, f"/r{1 + n % 2}/join", body)
+                    except httpx.HTTPError as exc:
+                        # once the listener closes, new connections are refused (or, for a
+                        # connection caught in the accept backlog, reset): that is the stop
+                        if not signalled.is_set():
+                            load_errors.append(exc)
+                        return
+                    answered.append(response.status_code)
 
-                loaders = [asyncio.create_task(load(n)) for n in range(8)]
-                gifts = [
-                    asyncio.create_task(
-                        post(
-                            http,
-                            url,
-                            f"/{room}/gifts",
-                            {
-                                "command_id": f"gift-{room}",
-                                "sender_id": "giver",
-                                "receiver_id": "owner",
-                                "gift_id": "rose",
-                                "count": 1,
-                            },
-                        )
-                    )
-                    for room in gift_rooms
-                ]
-                # every gift is inside the service (held at the wallet), and claims are out
-                await wallet.counters.wait_for("debit", IN_FLIGHT_GIFTS, timeout_s=20)
-                await eventually(lambda: len(answered) >= 50, "the load never got going")
-                # a batch holding several rows of one room outlasts the stop's grace
-                await eventually(lambda: outbox_counts(db_path).get("delivering", 0) >= 10, "few rows delivering")
+            loaders = [asyncio.create_task(load(n)) for n in range(8)]
+            gifts = [send_gift(http, url, room) for room in gift_rooms]
+            # every gift is inside the service (held at the wallet), and claims are out
+            await wallet.counters.wait_for("debit", IN_FLIGHT_GIFTS, timeout_s=20)
+            await eventually(lambda: len(answered) >= 50, "the load never got going")
+            # a batch holding several rows of one room outlasts the stop's grace
+            await eventually(lambda: outbox_counts(db_path).get("delivering", 0) >= 10, "few rows delivering")
 
-                signalled.set()
-                server.proc.send_signal(sig)
-                await eventually(lambda: bool(named(server.log, "shutdown_requested")), "no shutdown_requested")
-                # the listener is closing: the held gifts may now finish
-                wallet.switches.slow_ms = 0
-                wallet.release()
-                responses = await asyncio.gather(*gifts, return_exceptions=True)
-                await asyncio.gather(*loaders)
-            code = await asyncio.to_thread(server.proc.wait, 60)
-        finally:
-            server.kill()
+            signalled.set()
+            proc.send_signal(sig)
+            await eventually(lambda: bool(named(log_path, "shutdown_requested")), "no shutdown_requested")
+            # the listener is closing: the held gifts may now finish
+            wallet.switches.slow_ms = 0
+            wallet.release()
+            responses = await asyncio.gather(*gifts, return_exceptions=True)
+            await asyncio.gather(*loaders)
+            code = await asyncio.to_thread(proc.wait, 60)
 
-    log = server.log.read_text(errors="replace")
-    assert code == 0, log[-3000:]
+    assert code == 0, log_path.read_text(errors="replace")[-3000:]
     # in-flight requests were answered, not reset
     assert [r.status_code if isinstance(r, httpx.Response) else repr(r) for r in responses] == [200] * IN_FLIGHT_GIFTS
     assert load_errors == []
     assert answered and set(answered) <= {200}, sorted(set(answered))
     # claims handed back: nothing left delivering (only this process claimed)
     assert delivering_rows(db_path) == []
-    (started,) = named(server.log, "outbox_worker_started")
-    (released,) = named(server.log, "outbox_claims_released")
+    (started,) = named(log_path, "outbox_worker_started")
+    (released,) = named(log_path, "outbox_claims_released")
     assert released["owner"] == started["owner"] and released["rows"] > 0
-    (complete,) = named(server.log, "shutdown_complete")
+    (complete,) = named(log_path, "shutdown_complete")
     assert complete["signal"] == sig.name
     assert 0 < complete["elapsed_ms"] < 30_000
-    events = [r["event"] for r in log_events(server.log)]
+    events = [r["event"] for r in log_events(log_path)]
     assert (
         events.index("shutdown_requested") < events.index("outbox_claims_released") < events.index("shutdown_complete")
     )
@@ -222,43 +217,21 @@ async def test_a_second_signal_gives_up_at_once(tmp_path: Path) -> None:
             database_url=f"sqlite+aiosqlite:///{db_path}",
             extra=f'wallet: {{driver: http, url: "{wallet.base_url}", timeout: "30s"}}\n',
         )
-        server = ServerProcess(config=config, data_dir=tmp_path / "data")
-        server.start()
-        assert server.proc is not None
-        try:
-            async with httpx.AsyncClient(timeout=30.0) as http:
-                url = server.url
-                body = {"command_id": "c", "room_id": "r0", "owner_id": "owner", "title": "t"}
-                (await post(http, url, "", body)).raise_for_status()
-                (await post(http, url, "/r0/join", {"command_id": "j", "user_id": "giver"})).raise_for_status()
-                gift = asyncio.create_task(
-                    post(
-                        http,
-                        url,
-                        "/r0/gifts",
-                        {
-                            "command_id": "g",
-                            "sender_id": "giver",
-                            "receiver_id": "owner",
-                            "gift_id": "rose",
-                            "count": 1,
-                        },
-                    )
-                )
-                await wallet.counters.wait_for("debit", 1, timeout_s=20)
-                server.proc.send_signal(signal.SIGTERM)  # the stop now waits for the held gift
-                await eventually(lambda: bool(named(server.log, "shutdown_requested")), "no shutdown_requested")
-                server.proc.send_signal(signal.SIGTERM)
-                code = await asyncio.to_thread(server.proc.wait, 20)
-                wallet.release()
-                with suppress(httpx.HTTPError):
-                    await gift
-        finally:
-            server.kill()
-    assert code == 1, server.log.read_text()[-3000:]
-    (forced,) = named(server.log, "shutdown_forced")
+        async with serving(config, tmp_path / "data") as (proc, log_path, url), httpx.AsyncClient(timeout=30.0) as http:
+            await room_with_giver(http, url, "r0")
+            gift = send_gift(http, url, "r0")
+            await wallet.counters.wait_for("debit", 1, timeout_s=20)
+            proc.send_signal(signal.SIGTERM)  # the stop now waits for the held gift
+            await eventually(lambda: bool(named(log_path, "shutdown_requested")), "no shutdown_requested")
+            proc.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(proc.wait, 20)
+            wallet.release()
+            with suppress(httpx.HTTPError):
+                await gift
+    assert code == 1, log_path.read_text()[-3000:]
+    (forced,) = named(log_path, "shutdown_forced")
     assert forced["signal"] == "SIGTERM"
-    assert not named(server.log, "shutdown_complete")
+    assert not named(log_path, "shutdown_complete")
 
 
 async def test_worker_stops_gracefully_under_load(tmp_path: Path) -> None:
