@@ -87,7 +87,11 @@ class SandboxJournal:
         except sqlite3.OperationalError as exc:
             self._conn.close()
             if "locked" in str(exc) or "busy" in str(exc):
-                raise SandboxStateInUse(f"IM sandbox state {self.path} is in use by another process") from exc
+                raise SandboxStateInUse(
+                    f"IM sandbox state {self.path} is in use by another process: one sandbox per state dir"
+                    " (several processes: run `room-service im-sandbox` once and point them at it with"
+                    " tencent_im.base_url)"
+                ) from exc
             raise
         except BaseException:
             self._conn.close()
