@@ -14,9 +14,11 @@ import uvicorn
 from structlog.testing import capture_logs
 from tests.api.conftest import ADMIN_TOKEN
 
+from roomservice.admin.operations import OutboxAdmin
 from roomservice.api.app import ApiContext, create_app
 from roomservice.api.server import http_protocol
 from roomservice.bootstrap import Process
+from roomservice.clock import wall_clock_ms
 
 BODY_TIMEOUT_S = 0.5
 HEAD_TIMEOUT_S = 0.5
@@ -29,27 +31,63 @@ class _Server(uvicorn.Server):
         yield
 
 
+class Finished:
+    """Paths whose request the app has finished with (answered, or raised), in order."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+        self.changed = asyncio.Event()
+
+    async def wait_for(self, path: str) -> None:
+        async with asyncio.timeout(WITHIN_S):
+            while path not in self.paths:
+                self.changed.clear()
+                await self.changed.wait()
+
+
 @contextlib.asynccontextmanager
-async def serving(rt: Process) -> AsyncIterator[int]:
+async def serving_with(rt: Process) -> AsyncIterator[tuple[int, Finished]]:
     app = create_app(
-        ApiContext(service=rt.service, health=rt.health, admin_token=ADMIN_TOKEN, body_read_timeout_s=BODY_TIMEOUT_S)
+        ApiContext(
+            service=rt.service,
+            health=rt.health,
+            admin_token=ADMIN_TOKEN,
+            outbox_admin=OutboxAdmin(rt.db, clock=wall_clock_ms),
+            body_read_timeout_s=BODY_TIMEOUT_S,
+        )
     )
+    finished = Finished()
+
+    async def observed(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await app(scope, receive, send)
+        finally:
+            if scope["type"] == "http":
+                finished.paths.append(scope["path"])
+                finished.changed.set()
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     protocol = http_protocol(head_timeout_s=HEAD_TIMEOUT_S)
-    config = uvicorn.Config(app, http=protocol, log_config=None, access_log=False, lifespan="off")
+    config = uvicorn.Config(observed, http=protocol, log_config=None, access_log=False, lifespan="off")
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
             assert not task.done(), task
             await asyncio.sleep(0.01)
-        yield port
+        yield port, finished
     finally:
         server.should_exit = True
         await task
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(rt: Process) -> AsyncIterator[int]:
+    async with serving_with(rt) as (port, _finished):
+        yield port
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
@@ -204,3 +242,22 @@ async def test_a_second_request_on_a_kept_alive_connection_gets_its_own_head_dea
         assert status == 400
         assert_error_body(headers, body, "invalid_argument", "request head")
         writer.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/apps/demo/rooms/r1/join", "/admin/outbox/replay"])
+async def test_a_client_that_leaves_mid_body_is_logged_as_cancelled_not_as_an_error(
+    api_runtime: Process, path: str
+) -> None:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+    head += f"Authorization: Bearer {ADMIN_TOKEN}\r\nContent-Length: 100\r\n\r\n{{".encode()
+    with capture_logs() as logs:
+        async with serving_with(api_runtime) as (port, finished):
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+            await finished.wait_for(path)
+    assert [e for e in logs if e.get("log_level") in ("error", "critical")] == []
+    timings = [(e["command"], e["result"]) for e in logs if e["event"] == "room_command_timing"]
+    assert timings == ([("JoinRoom", "cancelled")] if "join" in path else [])

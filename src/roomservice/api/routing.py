@@ -97,7 +97,14 @@ class JsonRoute(APIRoute):
             return await handle(replaying(request, body))
 
         if command is None:
-            return read_then_handle
+
+            async def unlogged(request: Request) -> Response:
+                try:
+                    return await read_then_handle(request)
+                except ClientGone:  # nobody reads the answer
+                    return Response(status_code=400)
+
+            return unlogged
 
         async def logged_once(request: Request) -> Response:
             attempt = _Attempt()
