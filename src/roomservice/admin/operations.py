@@ -64,6 +64,7 @@ from sqlalchemy import (
 
 from roomservice import errors, wire
 from roomservice.domain.events import dedup_id
+from roomservice.domain.limits import MAX_ID_VALUE
 from roomservice.domain.routing import Target
 from roomservice.durations import parse_duration
 from roomservice.outbox.model import PublishMode, Status, format_targets, parse_targets, required_targets
@@ -558,8 +559,8 @@ class OutboxAdmin:
         flt = (filter or OutboxFilter()).validated()
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise errors.InvalidArgument(f"limit must be 1..{MAX_LIST_LIMIT}")
-        if after_id is not None and after_id < 0:
-            raise errors.InvalidArgument("after_id must not be negative")
+        if after_id is not None and not 0 <= after_id <= MAX_ID_VALUE:
+            raise errors.InvalidArgument(f"after_id must be 0..{MAX_ID_VALUE}")  # SQLite: OverflowError beyond
         now_ms = self.clock()
         params = {**flt._params(now_ms), "after_id": after_id or 0, "limit": limit}
         rows = await self.db.run_read(_all, _list_statement(flt._shape()), params)
