@@ -371,6 +371,11 @@ class NatsConfig(_Block):
 
 class EmbeddedBrokerConfig(_Block):
     poll_interval: PositiveDuration = _d("200ms")
+    # What the maintenance role purges, oldest first, at most cleanup_batch_size rows a pass:
+    # messages every group acknowledged, dead letters and a stopped group's backlog once
+    # older than retention (a duplicate publish of a retained message is stored once).
+    retention: PositiveDuration = _d("168h")
+    cleanup_batch_size: Int = Field(default=1000, gt=0)
 
 
 class BrokerConfig(_Block):

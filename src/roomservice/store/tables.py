@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Column,
+    ForeignKey,
     Index,
     Integer,
     MetaData,
@@ -256,5 +257,58 @@ activity_treasure_reward = Table(
     Column("level", Integer(), nullable=False),
     Column("event_id", ascii_id(64), nullable=False),
     _ms("created_at_ms"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+# --------------------------------------------------------------------------- embedded broker (0003)
+
+broker_message = Table(
+    "broker_message",
+    metadata,
+    Column("id", autoincrement_id(), primary_key=True, autoincrement=True),
+    Column("topic", ascii_id(128), nullable=False),
+    Column("msg_key", ascii_id(128), nullable=False),
+    Column("tag", String(255), nullable=False),
+    Column("sharding_key", String(255), nullable=False),
+    Column("headers", json_text(), nullable=False),
+    Column("body", blob(), nullable=False),
+    _ms("deliver_at_ms", nullable=True),
+    _ms("published_at_ms"),
+    UniqueConstraint("topic", "msg_key"),
+    sqlite_autoincrement=True,
+    **MYSQL_TABLE_OPTIONS,
+)
+
+broker_group = Table(
+    "broker_group",
+    metadata,
+    Column("group_name", ascii_id(128), primary_key=True),
+    Column("topic", ascii_id(128), nullable=False),
+    Column("max_deliveries", Integer(), nullable=False),
+    _ms("created_at_ms"),
+    Index(None, "topic"),
+    **MYSQL_TABLE_OPTIONS,
+)
+
+broker_delivery = Table(
+    "broker_delivery",
+    metadata,
+    Column("group_name", ascii_id(128), primary_key=True),
+    Column(
+        "message_id",
+        autoincrement_id(),
+        ForeignKey("broker_message.id", name="fk_broker_delivery_message_id"),
+        primary_key=True,
+        autoincrement=False,
+    ),
+    Column("state", ascii_id(8), nullable=False),  # "ready" | "dead"
+    Column("delivery_count", Integer(), nullable=False),
+    _ms("visible_at_ms"),  # ready: held or in flight until then; dead: when it died
+    Column("receipt", ascii_id(32), nullable=True),  # the current delivery's; NULL while never handed out
+    Column("last_error", Text(), nullable=True),
+    _ms("dead_at_ms", nullable=True),
+    Index(None, "group_name", "state", "visible_at_ms", "message_id"),
+    Index(None, "state", "visible_at_ms"),
+    Index(None, "message_id"),
     **MYSQL_TABLE_OPTIONS,
 )

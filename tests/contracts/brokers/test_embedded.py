@@ -1,0 +1,286 @@
+"""The broker contract on the embedded broker (SQLite and MariaDB), plus what only it has: retention
+(``purge``), stale receipts, and two processes sharing one database.
+
+"Restart" disposes the :class:`Database` and opens a new one (and a new adapter)
+on the same URL. On MariaDB the session database is shared: names are unique
+per test, and the ``migrated_database`` helper empties the tables afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import sqlalchemy as sa
+from tests.conftest import migrated_database
+from tests.contracts.brokers.base import DurableBrokerContract, message, unique
+from tests.contracts.test_outbox_repository import second_process
+
+from roomservice.brokers.embedded import CRASHED_REASON, EmbeddedBroker, open_embedded_broker
+from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable
+from roomservice.config import EmbeddedBrokerConfig
+from roomservice.store.database import Database
+from roomservice.store.tables import broker_delivery, broker_message
+
+FAST = EmbeddedBrokerConfig.model_validate({"poll_interval": "20ms"})
+T0 = 1_780_000_000_000
+RETENTION_MS = 3_600_000
+
+
+class TestEmbeddedBroker(DurableBrokerContract):
+    @pytest_asyncio.fixture
+    async def broker(self, backend_url: str) -> AsyncIterator[EmbeddedBroker]:
+        self.url = backend_url
+        self.restarted: list[tuple[EmbeddedBroker, Database]] = []
+        async with migrated_database(backend_url) as db:
+            broker = await open_embedded_broker(db, FAST)
+            yield broker
+            await broker.close()
+            for other, other_db in self.restarted:
+                await other.close()
+                await other_db.dispose()
+
+    async def restart(self, broker: Broker) -> Broker:
+        assert isinstance(broker, EmbeddedBroker)
+        await broker.close()
+        await broker.db.dispose()  # every connection of the "old process" is gone
+        db = Database.from_url(self.url, pool_size=5, max_overflow=5)
+        restarted = EmbeddedBroker(db, config=FAST)
+        self.restarted.append((restarted, db))
+        return restarted
+
+
+# --------------------------------------------------------------------------- embedded only
+
+
+class Clock:
+    def __init__(self, now_ms: int = T0) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> int:
+        return self.now_ms
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def embedded(database: Database, clock: Clock) -> EmbeddedBroker:
+    return EmbeddedBroker(database, config=FAST, clock=clock)
+
+
+async def rows(db: Database, table: sa.Table) -> int:
+    async with db.read() as conn:
+        return int(await conn.scalar(sa.select(sa.func.count()).select_from(table)) or 0)
+
+
+async def drain(broker: EmbeddedBroker, topic: str, group: str, *, ack: bool = True, visibility_s: float = 30) -> int:
+    got = await broker.fetch(topic, group, max_messages=100, wait_s=0, visibility_s=visibility_s)
+    for d in got:
+        if ack:
+            await broker.ack(d)
+    return len(got)
+
+
+async def test_a_stale_receipt_changes_nothing(embedded: EmbeddedBroker, clock: Clock) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=5)
+    await embedded.publish(message(topic), timeout_s=5)
+    (first,) = await embedded.fetch(topic, group, max_messages=1, wait_s=0, visibility_s=1)
+    assert await embedded.fetch(topic, group, max_messages=1, wait_s=0, visibility_s=1) == []  # in flight
+    clock.now_ms += 1001
+    (second,) = await embedded.fetch(topic, group, max_messages=1, wait_s=0, visibility_s=1)
+    assert (second.message_id, second.delivery_count) == (first.message_id, 2)
+    await embedded.ack(first)  # redelivered since: its receipt is stale
+    await embedded.nack(first, delay_s=0, reason="stale")
+    stats = await embedded.group_stats(topic, group)
+    assert (stats.lag, stats.in_flight, stats.dead_letters) == (1, 1, 0)
+    await embedded.ack(second)
+    assert (await embedded.group_stats(topic, group)).lag == 0
+
+
+async def test_groups_are_checked(embedded: EmbeddedBroker) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=2)
+    await embedded.declare_group(topic, group, max_deliveries=3)  # idempotent; the new limit applies
+    with pytest.raises(BrokerError, match="consumes topic"):
+        await embedded.declare_group(unique("topic"), group, max_deliveries=3)
+    with pytest.raises(BrokerError, match="unknown consumer group"):
+        await embedded.fetch(topic, unique("g"), max_messages=1, wait_s=0, visibility_s=1)
+    with pytest.raises(BrokerError, match="ASCII"):
+        await embedded.publish(message(topic, "kéy"), timeout_s=5)
+    await embedded.publish(message(topic), timeout_s=5)
+    for attempt in (1, 2, 3):
+        (d,) = await embedded.fetch(topic, group, max_messages=1, wait_s=0, visibility_s=1)
+        assert d.delivery_count == attempt
+        await embedded.nack(d, delay_s=0)
+    assert [dl.delivery_count for dl in await embedded.dead_letters(group)] == [3]
+
+
+async def test_a_declared_group_gets_what_the_topic_retains_and_redeclaring_resurrects_nothing(
+    embedded: EmbeddedBroker,
+) -> None:
+    topic, early, late = unique("topic"), unique("g"), unique("g")
+    await embedded.declare_group(topic, early, max_deliveries=3)
+    keys = {unique("ev") for _ in range(3)}
+    for key in keys:
+        await embedded.publish(message(topic, key), timeout_s=5)
+    assert await drain(embedded, topic, early) == 3
+    await embedded.declare_group(topic, early, max_deliveries=3)  # again: no backfill of what it acked
+    assert await drain(embedded, topic, early) == 0
+    await embedded.declare_group(topic, late, max_deliveries=3)
+    got = await embedded.fetch(topic, late, max_messages=10, wait_s=0, visibility_s=30)
+    assert {d.key for d in got} == keys
+
+
+async def test_a_crash_on_the_last_delivery_is_dead_lettered_with_the_reason(
+    embedded: EmbeddedBroker, clock: Clock
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=1)
+    await embedded.publish(message(topic), timeout_s=5)
+    assert await drain(embedded, topic, group, ack=False, visibility_s=1) == 1
+    clock.now_ms += 1001
+    assert await drain(embedded, topic, group, ack=False) == 0
+    (dead,) = await embedded.dead_letters(group)
+    assert (dead.reason, dead.delivery_count, dead.dead_at_ms) == (CRASHED_REASON, 1, clock.now_ms)
+
+
+# --------------------------------------------------------------------------- retention
+
+
+async def test_purge_is_bounded_and_deletes_messages_every_group_acknowledged(
+    embedded: EmbeddedBroker, database: Database, clock: Clock
+) -> None:
+    topic, first, second = unique("topic"), unique("g"), unique("g")
+    await embedded.declare_group(topic, first, max_deliveries=3)
+    await embedded.declare_group(topic, second, max_deliveries=3)
+    sent = [message(topic) for _ in range(5)]
+    for m in sent:
+        await embedded.publish(m, timeout_s=5)
+    assert await drain(embedded, topic, first) == 5
+    clock.now_ms = T0 + RETENTION_MS + 1
+    # The second group has not acknowledged them, but is not stopped for longer than the retention:
+    assert await embedded.purge(T0, 100) == 0
+    assert await drain(embedded, topic, second) == 5
+    # Acknowledged by every group, and retained until the retention is over: a duplicate is stored once.
+    assert await embedded.purge(T0, 100) == 0
+    await embedded.publish(sent[0], timeout_s=5)
+    assert await drain(embedded, topic, first) == 0
+    assert [await embedded.purge(T0 + 1, 2) for _ in range(4)] == [2, 2, 1, 0]
+    assert await rows(database, broker_message) == 0
+    # Forgotten with its message: the same key is a new message now.
+    await embedded.publish(sent[0], timeout_s=5)
+    assert await drain(embedded, topic, first) == 1
+
+
+async def test_a_stopped_groups_backlog_is_kept_for_the_whole_retention(
+    embedded: EmbeddedBroker, database: Database, clock: Clock
+) -> None:
+    topic, busy, stopped = unique("topic"), unique("g"), unique("g")
+    await embedded.declare_group(topic, busy, max_deliveries=3)
+    await embedded.declare_group(topic, stopped, max_deliveries=3)
+    for _ in range(3):
+        await embedded.publish(message(topic), timeout_s=5)
+    await embedded.publish(message(topic, deliver_at_ms=T0 + 10 * RETENTION_MS), timeout_s=5)  # held long
+    assert await drain(embedded, topic, busy) == 3
+    clock.now_ms = T0 + RETENTION_MS  # exactly the retention: nothing is older than it yet
+    assert await embedded.purge(clock.now_ms - RETENTION_MS, 100) == 0
+    assert (await embedded.group_stats(topic, stopped)).lag == 4
+    clock.now_ms += 1  # the backlog (3 deliveries) expires, then its 3 messages; the held one stays
+    assert await embedded.purge(clock.now_ms - RETENTION_MS, 100) == 6
+    assert (await embedded.group_stats(topic, stopped)).lag == 1
+    assert (await embedded.group_stats(topic, busy)).lag == 1
+    assert await rows(database, broker_message) == 1
+
+
+async def test_a_message_in_flight_is_not_purged_until_acknowledged(
+    embedded: EmbeddedBroker, database: Database, clock: Clock
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    await embedded.publish(message(topic), timeout_s=5)
+    clock.now_ms = T0 + 2 * RETENTION_MS  # handed out long after it was published
+    (d,) = await embedded.fetch(topic, group, max_messages=1, wait_s=0, visibility_s=30)
+    assert await embedded.purge(clock.now_ms - RETENTION_MS, 100) == 0
+    await embedded.ack(d)
+    assert await embedded.purge(clock.now_ms - RETENTION_MS, 100) == 1
+    assert await rows(database, broker_message) == 0
+
+
+async def test_dead_letters_are_purged_after_the_retention_with_their_message(
+    embedded: EmbeddedBroker, database: Database, clock: Clock
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=1)
+    for _ in range(3):
+        await embedded.publish(message(topic), timeout_s=5)
+    clock.now_ms = T0 + 1000
+    for d in await embedded.fetch(topic, group, max_messages=10, wait_s=0, visibility_s=30):
+        await embedded.nack(d, delay_s=0, reason="broken")
+    assert len(await embedded.dead_letters(group)) == 3
+    assert await embedded.purge(T0 + 1000, 100) == 0  # died at T0 + 1000: not older than that
+    assert len(await embedded.dead_letters(group)) == 3
+    assert await embedded.purge(T0 + 1001, 4) == 4  # three dead letters, then one message
+    assert await embedded.dead_letters(group) == []
+    assert await rows(database, broker_delivery) == 0
+    assert await rows(database, broker_message) == 2
+    assert await embedded.purge(T0 + 1001, 100) == 2
+
+
+# --------------------------------------------------------------------------- two processes, one database
+
+
+async def test_two_processes_never_hold_one_delivery_at_once(backend_url: str) -> None:
+    async with migrated_database(backend_url) as db, second_process(backend_url) as other_db:
+        a, b = EmbeddedBroker(db, config=FAST), EmbeddedBroker(other_db, config=FAST)
+        topic, group = unique("topic"), unique("g")
+        await a.declare_group(topic, group, max_deliveries=3)
+        keys = [unique("ev") for _ in range(40)]
+        for i, key in enumerate(keys):
+            await (a if i % 2 else b).publish(message(topic, key), timeout_s=5)
+
+        # What one process holds, the other cannot take while it is visible to nobody.
+        held = await a.fetch(topic, group, max_messages=15, wait_s=0, visibility_s=30)
+        rest = await b.fetch(topic, group, max_messages=100, wait_s=0, visibility_s=30)
+        assert len(held) == 15 and len(rest) == 25
+        assert not {d.key for d in held} & {d.key for d in rest}
+        assert await a.fetch(topic, group, max_messages=100, wait_s=0.1, visibility_s=30) == []
+        for d in held:
+            await a.nack(d, delay_s=0)
+        for d in rest:
+            await b.nack(d, delay_s=0)
+
+        # Both fetching at once: every message reaches exactly one of them.
+        seen: dict[str, list[str]] = {}
+
+        async def consume(broker: EmbeddedBroker, name: str) -> None:
+            end = time.monotonic() + 20
+            while sum(map(len, seen.values())) < len(keys) and time.monotonic() < end:
+                for d in await broker.fetch(topic, group, max_messages=3, wait_s=0.2, visibility_s=30):
+                    seen.setdefault(d.key, []).append(name)
+                    await asyncio.sleep(0)  # let the other process claim meanwhile
+                    await broker.ack(d)
+
+        await asyncio.gather(consume(a, "a"), consume(b, "b"))
+        assert sorted(seen) == sorted(keys)
+        assert all(len(names) == 1 for names in seen.values()), seen
+        assert (await b.group_stats(topic, group)).lag == 0
+
+
+async def test_a_closed_broker_refuses_and_ends_waiting_fetches(embedded: EmbeddedBroker) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    waiting = asyncio.create_task(embedded.fetch(topic, group, max_messages=1, wait_s=30, visibility_s=1))
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    await embedded.close()
+    assert await asyncio.wait_for(waiting, timeout=5) == []
+    assert time.monotonic() - started < 5
+    with pytest.raises(BrokerUnavailable):
+        await embedded.publish(message(topic), timeout_s=5)
