@@ -17,6 +17,7 @@ ones (else empty: invalid input is never echoed into the log).
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from roomservice.observability.timing import CommandTiming, Stopwatch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_COMMAND_OF: dict[Callable[..., Any], str] = {}
+_COMMAND_OF: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()  # endpoint -> command
 
 
 def command_endpoint(command_name: str) -> Callable[[F], F]:
