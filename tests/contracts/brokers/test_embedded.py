@@ -241,14 +241,14 @@ async def test_two_processes_never_hold_one_delivery_at_once(backend_url: str) -
         a, b = EmbeddedBroker(db, config=FAST), EmbeddedBroker(other_db, config=FAST)
         topic, group = unique("topic"), unique("g")
         await a.declare_group(topic, group, max_deliveries=3)
-        keys = [unique("ev") for _ in range(40)]
+        keys = [unique("ev") for _ in range(60)]
         for i, key in enumerate(keys):
             await (a if i % 2 else b).publish(message(topic, key), timeout_s=5)
 
         # What one process holds, the other cannot take while it is visible to nobody.
         held = await a.fetch(topic, group, max_messages=15, wait_s=0, visibility_s=30)
         rest = await b.fetch(topic, group, max_messages=100, wait_s=0, visibility_s=30)
-        assert len(held) == 15 and len(rest) == 25
+        assert len(held) == 15 and len(rest) == 45
         assert not {d.key for d in held} & {d.key for d in rest}
         assert await a.fetch(topic, group, max_messages=100, wait_s=0.1, visibility_s=30) == []
         for d in held:
@@ -267,7 +267,7 @@ async def test_two_processes_never_hold_one_delivery_at_once(backend_url: str) -
                     await asyncio.sleep(0)  # let the other process claim meanwhile
                     await broker.ack(d)
 
-        await asyncio.gather(consume(a, "a"), consume(b, "b"))
+        await asyncio.gather(consume(a, "a1"), consume(a, "a2"), consume(b, "b1"), consume(b, "b2"))
         assert sorted(seen) == sorted(keys)
         assert all(len(names) == 1 for names in seen.values()), seen
         assert (await b.group_stats(topic, group)).lag == 0
@@ -284,3 +284,48 @@ async def test_a_closed_broker_refuses_and_ends_waiting_fetches(embedded: Embedd
     assert time.monotonic() - started < 5
     with pytest.raises(BrokerUnavailable):
         await embedded.publish(message(topic), timeout_s=5)
+
+
+# --------------------------------------------------------------------------- waiting and outages
+
+SLOW_POLL = EmbeddedBrokerConfig.model_validate({"poll_interval": "30s"})
+
+
+async def test_a_waiting_fetch_wakes_on_a_publish_in_its_process(database: Database) -> None:
+    broker = EmbeddedBroker(database, config=SLOW_POLL)
+    topic, group = unique("topic"), unique("g")
+    await broker.declare_group(topic, group, max_deliveries=3)
+    started = time.monotonic()
+    waiting = asyncio.create_task(broker.fetch(topic, group, max_messages=1, wait_s=20, visibility_s=5))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    sent = message(topic)
+    await broker.publish(sent, timeout_s=5)
+    (got,) = await asyncio.wait_for(waiting, timeout=10)
+    assert got.key == sent.key
+    assert time.monotonic() - started < 10  # not the 30 s poll, nor the 20 s wait
+
+
+async def test_a_waiting_fetch_wakes_when_a_held_message_is_due(database: Database) -> None:
+    broker = EmbeddedBroker(database, config=SLOW_POLL)
+    topic, group = unique("topic"), unique("g")
+    await broker.declare_group(topic, group, max_deliveries=3)
+    due_ms = int(time.time() * 1000) + 500
+    await broker.publish(message(topic, deliver_at_ms=due_ms), timeout_s=5)
+    (got,) = await broker.fetch(topic, group, max_messages=1, wait_s=20, visibility_s=5)
+    assert due_ms - 50 <= time.time() * 1000 < due_ms + 10_000  # at its time, not at the next 30 s poll
+    assert got.delivery_count == 1
+
+
+async def test_a_database_that_does_not_answer_is_broker_unavailable() -> None:
+    db = Database.from_url("mysql+asyncmy://root@127.0.0.1:9/nowhere", timeout_s=0.5)
+    broker = EmbeddedBroker(db)
+    try:
+        with pytest.raises(BrokerUnavailable):
+            await broker.publish(message("topic"), timeout_s=2)
+        with pytest.raises(BrokerUnavailable):
+            await broker.ping()
+        with pytest.raises(BrokerUnavailable):
+            await broker.fetch("topic", "g", max_messages=1, wait_s=0, visibility_s=1)
+    finally:
+        await db.dispose()
