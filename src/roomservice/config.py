@@ -241,6 +241,8 @@ class OutboxWorkerConfig(_Block):
     initial_backoff: PositiveDuration = _d("5s")
     max_backoff: PositiveDuration = _d("5m")
     # Ours: the claim lease, parallel publishes per batch, cleanup of delivered rows, backoff jitter.
+    # lock_timeout is the lease as configured: a worker whose batch runs longer extends
+    # its own claims every lock_timeout/3, and a dead worker's rows come back after it.
     lock_timeout: PositiveDuration = _d("30s")
     publish_concurrency: Int = Field(default=16, gt=0)
     delivered_retention: PositiveDuration = _d("168h")
@@ -266,6 +268,12 @@ class DatabaseConfig(_UrlWithPassword):
     pool_size: Int = Field(default=20, ge=1)
     max_overflow: Int = Field(default=20, ge=0)
     echo: bool = False
+    # The deadline D of one database call (a read, or a whole write transaction, its
+    # connect and pool wait included): a call that misses it fails its command with
+    # 503 unavailable and its connection is discarded. The server-side session limits
+    # (MariaDB) and every other database bound are multiples of it; see
+    # roomservice.store.database.
+    timeout: PositiveDuration = _d("5s")
 
     @field_validator("url")
     @classmethod
@@ -307,6 +315,8 @@ class RedisConfig(_UrlWithPassword):
 class HttpConfig(_Block):
     host: str = Field(default="127.0.0.1", min_length=1)
     port: Int = Field(default=8080, ge=0, le=65535)  # 0 = pick a free port
+    # a request body must have fully arrived this long after the route starts reading it (else 400, closed)
+    body_read_timeout: PositiveDuration = _d("10s")
 
 
 class RoomConfig(_Block):
@@ -365,8 +375,21 @@ class LeaseConfig(_Block):
 
 class NatsConfig(_Block):
     url: str = "nats://127.0.0.1:4222"
+    # The topics' stream; dead letters go to "<stream>_dlq".
     stream: str = Field(default="hyapp_room", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     connect_timeout: PositiveDuration = _d("2s")
+    # Ours: how long both streams keep messages (a stopped group's backlog, dead letters),
+    # the Nats-Msg-Id duplicate window (a re-publish of one event_id inside it is stored
+    # once; it must cover the outbox worker's retry horizon), and replicas per stream.
+    max_age: PositiveDuration = _d("168h")
+    duplicate_window: PositiveDuration = _d("2h")
+    replicas: Int = Field(default=1, ge=1, le=5)
+
+    @model_validator(mode="after")
+    def _check(self) -> NatsConfig:
+        if self.duplicate_window > self.max_age:
+            _fail(f"must be <= broker.nats.max_age ({format_duration(self.max_age)})", "duplicate_window")
+        return self
 
 
 class EmbeddedBrokerConfig(_Block):
@@ -821,7 +844,7 @@ def _expand_str(value: str, env: Mapping[str, str], path: str, problems: list[st
         if found:
             return found
         if default is not None:
-            return _expand(default, env, path, problems) if "${" in default else default
+            return _expand_str(default, env, path, problems) if "${" in default else default
         if found is None:
             problems.append(f"{path}: environment variable {name} is not set (use ${{{name}:-default}} if optional)")
         return ""

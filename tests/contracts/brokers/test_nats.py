@@ -1,0 +1,291 @@
+"""The broker contract against real NATS JetStream, plus what only this adapter has.
+
+``TestNatsBroker`` runs on the shared server (127.0.0.1:4222; CI fails without
+it), each test on its own streams and subject prefix, deleted afterwards.
+Tests that stop the broker start their own ``nats-server -js`` on a free port
+with a temporary store directory (:class:`OwnNatsServer`), never the shared one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from tests.contracts.brokers.base import (
+    DEADLINE,
+    BrokerContract,
+    DurableBrokerContract,
+    eventually,
+    fetch,
+    fetch_until,
+    message,
+    unique,
+)
+
+from roomservice.brokers.nats import H_DEAD_COUNT, H_DEAD_REASON, H_DEAD_SEQ, NatsBroker, open_nats_broker
+from roomservice.brokers.port import Broker, BrokerUnavailable
+from roomservice.config import ConfigError, NatsConfig, settings_from_yaml
+
+SHARED_URL = "nats://127.0.0.1:4222"
+NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
+
+
+def _config(url: str) -> NatsConfig:
+    return NatsConfig(url=url, stream=unique("rs_test"), connect_timeout="2s")
+
+
+async def _open(url: str, **kw: object) -> NatsBroker:
+    return await open_nats_broker(
+        _config(url),
+        subject_prefix=f"rstest.{secrets.token_hex(4)}",
+        duplicate_window_s=120,
+        op_timeout_s=2.0,
+        poll_interval_s=0.05,
+        reconnect_wait_s=0.2,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def _drop_streams(broker: NatsBroker) -> None:
+    js = broker._js
+    for stream in (broker.stream, broker.dlq_stream):
+        with contextlib.suppress(Exception):  # never created (nothing published), or the server is gone
+            await js.delete_stream(stream)
+
+
+@pytest_asyncio.fixture
+async def shared_broker(require_service) -> AsyncIterator[NatsBroker]:  # type: ignore[no-untyped-def]
+    require_service("NATS", "127.0.0.1", 4222, hint="nats-server -js")
+    broker = await _open(SHARED_URL)
+    yield broker
+    await _drop_streams(broker)
+    await broker.close()
+
+
+class TestNatsBroker(BrokerContract):
+    @pytest_asyncio.fixture
+    async def broker(self, shared_broker: NatsBroker) -> NatsBroker:
+        return shared_broker
+
+
+# --------------------------------------------------------------------------- our own server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OwnNatsServer:
+    """``nats-server -js`` on a free port with its own store dir; stop (SIGKILL) and start it at will."""
+
+    def __init__(self, store: Path) -> None:
+        self.port = _free_port()
+        self.store = store
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self.process is None
+        self.process = subprocess.Popen(
+            [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        end = time.monotonic() + DEADLINE
+        while time.monotonic() < end:
+            assert self.process.poll() is None, "nats-server exited at start"
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("nats-server did not listen in time")
+
+    def kill(self) -> None:
+        """A crash: SIGKILL, no shutdown."""
+        if self.process is not None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[OwnNatsServer]:
+    if not os.path.exists(NATS_SERVER):
+        pytest.fail(f"{NATS_SERVER} is needed for the broker-restart tests", pytrace=False)
+    server = OwnNatsServer(tmp_path / "jetstream")
+    server.start()
+    yield server
+    server.kill()
+
+
+async def _until_ready(broker: NatsBroker) -> None:
+    async def answers() -> bool:
+        try:
+            await broker.ping()
+        except BrokerUnavailable:
+            return False
+        return True
+
+    await eventually(answers, deadline_s=DEADLINE * 2)
+
+
+class TestNatsBrokerRestart(DurableBrokerContract):
+    """The contract on a server of our own, whose restart is a SIGKILL and a start on the same store."""
+
+    @pytest_asyncio.fixture
+    async def broker(self, own_server: OwnNatsServer) -> AsyncIterator[NatsBroker]:
+        self.server = own_server
+        broker = await _open(own_server.url)
+        yield broker
+        await broker.close()
+
+    async def restart(self, broker: Broker) -> Broker:
+        assert isinstance(broker, NatsBroker)
+        self.server.kill()
+        self.server.start()
+        await _until_ready(broker)  # the same adapter, reconnected by nats-py
+        return broker
+
+    async def test_a_delayed_message_survives_a_restart_and_comes_at_its_time(
+        self, broker: NatsBroker, topic: str
+    ) -> None:
+        group = unique("g")
+        await broker.declare_group(topic, group, max_deliveries=3)
+        due_ms = int(time.time() * 1000) + 2000
+        sent = message(topic, deliver_at_ms=due_ms)
+        await broker.publish(sent, timeout_s=5)
+        restarted = await self.restart(broker)
+        got = await fetch_until(restarted, topic, group)
+        assert got.key == sent.key
+        assert time.time() * 1000 >= due_ms - 50
+        assert got.delivery_count == 1
+
+
+async def test_a_publish_while_the_server_is_down_fails_in_time_and_works_again_after_it_is_back(
+    own_server: OwnNatsServer,
+) -> None:
+    broker = await _open(own_server.url)
+    try:
+        topic, group = unique("topic"), unique("g")
+        await broker.declare_group(topic, group, max_deliveries=3)
+        await broker.publish(message(topic, "before"), timeout_s=5)
+        own_server.kill()
+        started = time.monotonic()
+        with pytest.raises(BrokerUnavailable):
+            await broker.publish(message(topic, "during"), timeout_s=1.0)
+        assert time.monotonic() - started < 1.0 + 0.5  # within its timeout (0.5 s of scheduling slack)
+        with pytest.raises(BrokerUnavailable):
+            await broker.ping()
+        with pytest.raises(BrokerUnavailable):
+            await fetch(broker, topic, group)
+
+        own_server.start()
+        await _until_ready(broker)  # the same adapter: nats-py reconnected in the background
+        await broker.publish(message(topic, "after"), timeout_s=5)
+        keys = set()
+        for _ in range(2):
+            got = await fetch_until(broker, topic, group)
+            keys.add(got.key)
+            await broker.ack(got)
+        assert keys == {"before", "after"}
+        assert await fetch(broker, topic, group, wait_s=0.3) == []
+    finally:
+        await broker.close()
+
+
+async def test_connecting_to_no_server_is_unavailable_within_the_connect_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable):
+        await open_nats_broker(
+            NatsConfig(url=f"nats://127.0.0.1:{_free_port()}", connect_timeout="1s"), duplicate_window_s=60
+        )
+    assert time.monotonic() - started < 1.0 + 1.5
+
+
+# --------------------------------------------------------------------------- on the shared server
+
+
+async def test_the_same_key_published_twice_inside_the_window_is_stored_once(shared_broker: NatsBroker) -> None:
+    topic = unique("topic")
+    sent = message(topic, "event-1")
+    first = await shared_broker.publish(sent, timeout_s=5)
+    again = await shared_broker.publish(message(topic, "event-1", body=b"a retry"), timeout_s=5)
+    assert again == first  # the PubAck of a duplicate names the stored copy
+    info = await shared_broker._js.stream_info(shared_broker.stream)
+    assert info.state.messages == 1
+    assert info.config.duplicate_window == 120
+
+
+async def test_subjects_are_the_topic_names_under_the_namespace(shared_broker: NatsBroker) -> None:
+    topic, group = unique("hyapp_room_outbox"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    await shared_broker.publish(message(topic), timeout_s=5)
+    info = await shared_broker._js.stream_info(shared_broker.stream)
+    prefix = shared_broker._prefix
+    assert f"{prefix}{topic}" in (info.config.subjects or [])
+    assert (info.config.max_age, info.config.num_replicas) == (168 * 3600, 1)
+    consumer = await shared_broker._js.consumer_info(shared_broker.stream, group)
+    assert consumer.config.filter_subject == f"{prefix}{topic}"
+    assert consumer.config.max_deliver in (None, -1)  # the adapter dead-letters, JetStream never drops
+
+
+async def test_a_dead_letter_keeps_the_original_headers_reason_count_and_sequence(shared_broker: NatsBroker) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    seq = await shared_broker.publish(message(topic, headers={"traceparent": "00-abc-01"}), timeout_s=5)
+    got = await fetch_until(shared_broker, topic, group)
+    await shared_broker.nack(got, delay_s=0, reason="bad\nrow")
+    raw = await shared_broker._js.get_last_msg(shared_broker.dlq_stream, shared_broker.dlq_subject(group, seq))
+    headers = raw.headers or {}
+    assert (headers[H_DEAD_SEQ], headers[H_DEAD_COUNT], headers[H_DEAD_REASON]) == (seq, "1", "bad row")
+    assert headers["traceparent"] == "00-abc-01"
+    (dead,) = await shared_broker.dead_letters(group)
+    assert (dead.message_id, dead.topic, dead.headers) == (seq, topic, {"traceparent": "00-abc-01"})
+
+
+async def test_another_process_fetches_and_dead_letters_a_group_it_did_not_declare(
+    shared_broker: NatsBroker,
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    await shared_broker.publish(message(topic), timeout_s=5)
+    other = await open_nats_broker(
+        shared_broker._config, subject_prefix=shared_broker._prefix.rstrip("."), duplicate_window_s=120
+    )
+    try:
+        got = await fetch_until(other, topic, group)
+        await other.nack(got, delay_s=0, reason="failed elsewhere")  # max_deliveries came from the consumer
+        await eventually(lambda: _dead(shared_broker, group))
+    finally:
+        await other.close()
+
+
+async def _dead(broker: NatsBroker, group: str) -> bool:
+    return len(await broker.dead_letters(group)) == 1
+
+
+def test_the_duplicate_window_may_not_outlast_the_retention() -> None:
+    with pytest.raises(ConfigError, match="duplicate_window"):
+        settings_from_yaml("broker:\n  nats:\n    max_age: 1h\n    duplicate_window: 2h\n")
+    assert NatsConfig().duplicate_window.total_seconds() == 7200
+
+
+async def test_a_fetch_is_bounded_by_its_wait(shared_broker: NatsBroker) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    started = time.monotonic()
+    assert await fetch(shared_broker, topic, group, wait_s=0.5, n=5) == []
+    assert 0.4 <= time.monotonic() - started < 0.5 + 1.0
