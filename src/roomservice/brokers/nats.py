@@ -11,6 +11,8 @@ Layout (``P`` is ``rocketmq.namespace`` + ``.`` when set, else empty):
 * One durable pull consumer per group (named after the group, filtered on its
   topic's subject, explicit ack, ``ack_wait`` = the fetch's ``visibility_s``,
   updated when a fetch asks for another one, no server-side ``max_deliver``).
+  A fetch polls it with ``no_wait`` pull requests every ``poll_interval_s``
+  until ``wait_s`` (see :class:`_Puller` for why not lingering requests).
 * Dead letters are the adapter's job: JetStream's ``max_deliver`` only stops
   delivering, silently. When a fetch receives a message whose
   ``num_delivered`` exceeds the group's ``max_deliveries`` (the consumer
@@ -371,7 +373,7 @@ class NatsBroker:
         headers = msg.headers or {}
         replay_for = headers.get(H_REPLAY_FOR)
         if replay_for is not None and replay_for != group:
-            await self._settle(msg.ack_sync)  # another group's replay
+            await self._settle(lambda: msg.ack_sync(timeout=self._op_timeout_s))  # another group's replay
             return None
         seq = msg.metadata.sequence.stream
         delivered = max(msg.metadata.num_delivered, g.seen.get(seq, 0) + 1)
@@ -405,7 +407,7 @@ class NatsBroker:
     async def ack(self, delivery: Delivery) -> None:
         msg = _receipt(delivery)
         self._check_connected()
-        await self._settle(msg.ack_sync)
+        await self._settle(lambda: msg.ack_sync(timeout=self._op_timeout_s))
         g = self._groups.get(delivery.group)
         if g is not None:
             g.seen.pop(msg.metadata.sequence.stream, None)
@@ -697,9 +699,13 @@ async def open_nats_broker(
 ) -> NatsBroker:
     """Connect within ``config.connect_timeout`` (BrokerUnavailable otherwise); nats-py then reconnects forever.
 
-    ``duplicate_window_s`` (the caller sizes it from the outbox worker's retry
-    horizon and ``broker.nats.duplicate_window``) must not exceed ``max_age``.
-    Streams are created or brought to this configuration when first used."""
+    ``subject_prefix`` is ``rocketmq.namespace``. ``duplicate_window_s`` (the
+    caller sizes it from the outbox worker's retry horizon and
+    ``broker.nats.duplicate_window``) must not exceed ``max_age``.
+    ``op_timeout_s`` bounds each JetStream API call, ack and dead-letter copy
+    (``publish`` has its own ``timeout_s``); ``poll_interval_s`` is how often an
+    idle fetch and the delay movers ask again. Streams are created, or brought to
+    this configuration, when a topic or group is first used."""
     if not 0 < duplicate_window_s <= config.max_age.total_seconds():
         raise BrokerError(f"the duplicate window ({duplicate_window_s:g}s) must be > 0 and <= broker.nats.max_age")
     if subject_prefix and not all(_TOKEN.match(t) for t in subject_prefix.split(".")):

@@ -8,6 +8,7 @@ with a temporary store directory (:class:`OwnNatsServer`), never the shared one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from nats.aio.msg import Msg
 from tests.contracts.brokers.base import (
     DEADLINE,
     BrokerContract,
@@ -289,3 +291,62 @@ async def test_a_fetch_is_bounded_by_its_wait(shared_broker: NatsBroker) -> None
     started = time.monotonic()
     assert await fetch(shared_broker, topic, group, wait_s=0.5, n=5) == []
     assert 0.4 <= time.monotonic() - started < 0.5 + 1.0
+
+
+async def test_delivery_counts_never_go_back_when_many_redeliveries_race_the_fetches(
+    shared_broker: NatsBroker,
+) -> None:
+    """20 groups at once, each message never acked: deliveries 1, 2, then the dead letter, nothing else.
+
+    With nats-py's lingering pull requests on NATS 2.9 a redelivery that races a
+    request's expiry can come back as delivery 1, or get lost in the client; with
+    those pulls and without the adapter's count guard this fails in about one run
+    of three (a race: the guard itself is pinned by the next test)."""
+    topic = unique("topic")
+
+    async def one_group() -> list[int]:
+        group = unique("g")
+        await shared_broker.declare_group(topic, group, max_deliveries=2)
+        counts: list[int] = []
+        end = time.monotonic() + DEADLINE
+        while time.monotonic() < end and not await shared_broker.dead_letters(group):
+            counts += [d.delivery_count for d in await fetch(shared_broker, topic, group, wait_s=0.3, n=1)]
+        return counts
+
+    groups = [asyncio.ensure_future(one_group()) for _ in range(20)]
+    await asyncio.sleep(0.2)  # every group declared (deliver_policy ALL would deliver it anyway)
+    await shared_broker.publish(message(topic), timeout_s=5)
+    assert [await g for g in groups] == [[1, 2]] * 20
+
+
+async def test_a_delivery_count_that_went_back_counts_on(shared_broker: NatsBroker) -> None:
+    """The server re-sends delivery 2 as delivery 1 (nats-server #5305): it is delivery 3, past the limit."""
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=2)
+    seq = await shared_broker.publish(message(topic), timeout_s=5)
+    g = shared_broker._groups[group]
+
+    def delivery(count: int, consumer_seq: int) -> Msg:
+        reply = f"$JS.ACK.{shared_broker.stream}.{group}.{count}.{seq}.{consumer_seq}.{time.time_ns()}.0"
+        headers = {"Roomservice-Key": "k"}
+        return Msg(shared_broker._nc, subject=shared_broker.subject(topic), reply=reply, data=b"x", headers=headers)
+
+    first = await shared_broker._admit(g, group, delivery(1, 1))
+    second = await shared_broker._admit(g, group, delivery(2, 2))
+    assert first is not None and second is not None
+    assert (first.delivery_count, second.delivery_count) == (1, 2)
+    assert await shared_broker._admit(g, group, delivery(1, 3)) is None  # not a first delivery: dead
+    (dead,) = await shared_broker.dead_letters(group)
+    assert (dead.message_id, dead.delivery_count) == (seq, 2)
+
+
+async def test_a_held_delayed_message_counts_in_every_groups_lag(shared_broker: NatsBroker) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=3)
+    await shared_broker.publish(message(topic, deliver_at_ms=int(time.time() * 1000) + 60_000), timeout_s=5)
+
+    async def held() -> bool:
+        return (await shared_broker.group_stats(topic, group)).lag == 1
+
+    await eventually(held)
+    assert await fetch(shared_broker, topic, group, wait_s=0.3) == []
