@@ -128,6 +128,7 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 admin_token=token,
                 outbox_admin=runtime.outbox_admin,
                 metrics=settings.metrics.enabled,
+                body_read_timeout_s=settings.http.body_read_timeout.total_seconds(),
             )
         )
         server = _Server(
