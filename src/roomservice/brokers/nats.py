@@ -52,6 +52,7 @@ server does not answer in time, calls raise :class:`BrokerUnavailable`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import re
@@ -359,14 +360,33 @@ class NatsBroker:
         deadline = loop.time() + wait_s
         async with g.lock:  # one pull at a time on the group's inbox
             while True:
-                with _mapped():
-                    msgs = await g.puller.pull(max(1, max_messages), answer_s=self._op_timeout_s)
+                try:
+                    with _mapped():
+                        msgs = await g.puller.pull(max(1, max_messages), answer_s=self._op_timeout_s)
+                except BrokerUnavailable:
+                    await self._redeclare_if_lost(g, group)
+                    raise
                 out = [d for d in [await self._admit(g, group, msg) for msg in msgs] if d is not None]
                 remaining = deadline - loop.time()
                 if out or remaining <= 0:
                     return out
                 await asyncio.sleep(min(self._poll_interval_s, remaining))
                 self._check_connected()
+
+    async def _redeclare_if_lost(self, g: _Group, group: str) -> None:
+        """A pull nobody answered: if the server lost the consumer (a store wiped), declare it again."""
+        if not self._nc.is_connected:
+            return
+        try:
+            await self._js.consumer_info(self.stream, group)
+        except nats.js.errors.NotFoundError:
+            _log.warning("broker_nats_group_lost", group=group, topic=g.topic)
+            with contextlib.suppress(Exception):
+                for known in self._subjects.values():
+                    known.clear()
+                await self.declare_group(g.topic, group, max_deliveries=g.max_deliveries)
+        except Exception:  # the server does not answer at all: nothing to repair from here
+            return
 
     async def _admit(self, g: _Group, group: str, msg: Msg) -> Delivery | None:
         """The delivery for ``msg``, or None when it is not this group's to see (after settling it)."""
@@ -483,7 +503,7 @@ class NatsBroker:
                 raw = await self._js.get_last_msg(self.dlq_stream, self.dlq_subject(group, message_id))
             except nats.js.errors.NotFoundError:
                 return False
-        headers = dict(raw.headers or {})
+        headers = _stored_headers(raw)
         topic = headers.get(H_TOPIC, "")
         replay = {
             k: v for k, v in headers.items() if not k.startswith(_THEIRS) and not k.startswith("Roomservice-Dead-")
@@ -511,7 +531,7 @@ class NatsBroker:
                 info = await self._js.consumer_info(self.stream, group)
             except nats.js.errors.NotFoundError:  # not declared yet: it will receive what the topic holds
                 return GroupStats(
-                    topic=topic, group=group, lag=await self._held(topic) + held, in_flight=0, dead_letters=0
+                    topic=topic, group=group, lag=await self._topic_messages(topic) + held, in_flight=0, dead_letters=0
                 )
             try:
                 dead = await self._js.stream_info(self.dlq_stream, subjects_filter=self.dlq_subject(group))
@@ -533,7 +553,7 @@ class NatsBroker:
             return 0
         return int(info.num_pending + info.num_ack_pending)
 
-    async def _held(self, topic: str) -> int:
+    async def _topic_messages(self, topic: str) -> int:
         try:
             info = await self._js.stream_info(self.stream, subjects_filter=self.subject(topic))
         except nats.js.errors.NotFoundError:
@@ -769,6 +789,8 @@ def _mapped() -> Any:
         raise BrokerError(f"NATS JetStream refused: {exc}") from exc
     except nats.errors.MaxPayloadError as exc:
         raise BrokerError(f"message too large for NATS: {exc}") from exc
+    except (nats.errors.BadHeaderError, nats.errors.BadSubjectError) as exc:
+        raise BrokerError(f"NATS cannot carry this header or subject: {exc!r}") from exc
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         # timeouts, no responders (no stream bound yet, or JetStream down), closed or reconnecting
         raise BrokerUnavailable(f"NATS did not answer: {exc!r}") from exc
@@ -809,8 +831,24 @@ def _receipt(delivery: Delivery) -> Msg:
     return delivery.receipt
 
 
+def _stored_headers(raw: api.RawStreamMsg) -> dict[str, str]:
+    """The headers of a message read with STREAM.MSG.GET, as UTF-8 text.
+
+    nats-py parses them with the ``email`` package, which turns a non-ASCII value
+    (a reason in Chinese) into a mangled ``Header``; the raw block is still there."""
+    if not raw.hdrs:
+        return {}
+    block = base64.b64decode(raw.hdrs).decode("utf-8", errors="replace")
+    headers: dict[str, str] = {}
+    for line in block.split("\r\n")[1:]:  # after "NATS/1.0"
+        key, sep, value = line.partition(":")
+        if sep and key.strip():
+            headers[key.strip()] = value.strip()
+    return headers
+
+
 def _dead_letter(group: str, raw: api.RawStreamMsg) -> DeadLetter:
-    headers = dict(raw.headers or {})
+    headers = _stored_headers(raw)
     count, dead_at = headers.get(H_DEAD_COUNT, "0"), headers.get(H_DEAD_AT, "0")
     return DeadLetter(
         group=group,
