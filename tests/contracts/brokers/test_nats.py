@@ -309,6 +309,21 @@ async def _dead(broker: NatsBroker, group: str) -> bool:
     return len(await broker.dead_letters(group)) == 1
 
 
+async def test_a_subject_another_process_dropped_from_the_stream_is_added_back_on_publish(
+    shared_broker: NatsBroker,
+) -> None:
+    """Subjects are added by read-modify-write of the stream config: a process that lost that race to
+    another one (which wrote the config without its subject) repairs it on its next publish."""
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    info = await shared_broker._js.stream_info(shared_broker.stream)
+    info.config.subjects = [s for s in info.config.subjects or [] if s != shared_broker.subject(topic)]
+    await shared_broker._js.update_stream(info.config)  # the other process's stale write
+    sent = message(topic)
+    await shared_broker.publish(sent, timeout_s=5)
+    assert (await fetch_until(shared_broker, topic, group)).key == sent.key
+
+
 async def test_a_header_nats_cannot_carry_is_refused_for_good(shared_broker: NatsBroker) -> None:
     with pytest.raises(BrokerError):
         await shared_broker.publish(message(unique("topic"), headers={"bad key": "v"}), timeout_s=5)
