@@ -591,16 +591,7 @@ NOT_YET_AVAILABLE: tuple[NotYetAvailable, ...] = (
         "the IM bridge consumer is not built",
         "use false (with publish_mode direct the outbox worker delivers IM itself)",
     ),
-    NotYetAvailable(
-        "rocketmq.treasure_open.enabled",
-        True,
-        "broker delay messages are not built",
-        "use false (treasure boxes open from the durable database timer)",
-    ),
-    NotYetAvailable("outbox_worker.publish_mode", "mq", "no broker publisher is built", "use 'direct'"),
-    NotYetAvailable("outbox_worker.publish_mode", "dual", "no broker publisher is built", "use 'direct'"),
     NotYetAvailable("lease.driver", "redis", "scale-out is not built", "use 'inprocess'"),
-    NotYetAvailable("broker.driver", "nats", "no NATS JetStream broker is built", "use 'embedded'"),
     NotYetAvailable("broker.driver", "rocketmq", "no RocketMQ broker is built", "use 'embedded'"),
 )
 

@@ -96,9 +96,7 @@ def test_check_of_the_docker_sample_names_every_choice_not_built_yet() -> None:
     assert lines[1:] == [
         "  - rocketmq.room_outbox.tencent_im_consumer_enabled: true is not available yet (the IM bridge consumer is "
         "not built); use false (with publish_mode direct the outbox worker delivers IM itself)",
-        "  - outbox_worker.publish_mode: 'mq' is not available yet (no broker publisher is built); use 'direct'",
         "  - lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",
-        "  - broker.driver: 'nats' is not available yet (no NATS JetStream broker is built); use 'embedded'",
     ]
 
 

@@ -6,9 +6,31 @@ direct       the direct-mode targets (Tencent IM, activity) and the in-process s
 outbox       the outbox worker and its publishers (needs no cells)
 timers       the durable treasure timer's runner (needs the command pipeline to open boxes)
 maintenance  retention sweeps, command-log pruning, wallet reconciliation, backlog metrics
+broker       opening the configured broker; which consumer groups the configuration enables
+consumers    the consumer runtime with those groups
 process      ``Process.running(settings, roles=...)``: what ``serve`` and ``worker`` start
 """
 
-from roomservice.bootstrap.process import API, MAINTENANCE, OUTBOX, SERVE_ROLES, TIMERS, WORKER_ROLES, Process
+from roomservice.bootstrap.process import (
+    API,
+    CONSUME_ROLES,
+    CONSUMERS,
+    MAINTENANCE,
+    OUTBOX,
+    SERVE_ROLES,
+    TIMERS,
+    WORKER_ROLES,
+    Process,
+)
 
-__all__ = ["API", "MAINTENANCE", "OUTBOX", "SERVE_ROLES", "TIMERS", "WORKER_ROLES", "Process"]
+__all__ = [
+    "API",
+    "CONSUMERS",
+    "CONSUME_ROLES",
+    "MAINTENANCE",
+    "OUTBOX",
+    "SERVE_ROLES",
+    "TIMERS",
+    "WORKER_ROLES",
+    "Process",
+]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.commands import Commands
 from roomservice.bootstrap.core import Core, ms
+from roomservice.brokers.embedded import EmbeddedBroker
+from roomservice.brokers.port import Broker
 from roomservice.leases.maintenance import DatabaseMaintenanceLock
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS
@@ -18,6 +20,8 @@ from roomservice.wallet.reconcile import Reconciler
 
 _log = get_logger("roomservice.maintenance")
 
+BROKER_RETENTION_LOCK = "roomservice_broker_retention"
+
 
 @dataclass(slots=True)
 class Maintenance:
@@ -25,9 +29,12 @@ class Maintenance:
     reconciler: Reconciler
     commands: Commands
     outbox_admin: OutboxAdmin
+    broker_retention: RetentionSweeper | None = None
 
     def start(self, core: Core) -> None:
         core.spawn("outbox-retention", self.retention.run(interval_s=60.0))
+        if self.broker_retention is not None:
+            core.spawn("broker-retention", self.broker_retention.run(interval_s=60.0))
         core.spawn("command-log-retention", self._prune_command_log(core, interval_s=300.0))
         if core.settings.metrics.enabled:  # the gauges exist only for GET /metrics
             core.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
@@ -68,16 +75,28 @@ def build_maintenance(
     repository: SqlOutboxRepository,
     timer: DatabaseTreasureTimer,
     outbox_admin: OutboxAdmin,
+    broker: Broker | None = None,
 ) -> Maintenance:
     settings = core.settings
     outbox = settings.outbox_worker
+    lock = DatabaseMaintenanceLock(core.db)
     retention = RetentionSweeper(
-        DatabaseMaintenanceLock(core.db),
+        lock,
         [repository.delete_delivered, timer.purge_fired],
         retention_ms=ms(outbox.delivered_retention),
         batch_size=outbox.retention_batch_size,
         clock=core.clock,
     )
+    broker_retention = None
+    if isinstance(broker, EmbeddedBroker):  # the other brokers keep their own retention
+        broker_retention = RetentionSweeper(
+            lock,
+            [broker.purge],
+            retention_ms=broker.retention_ms,
+            batch_size=broker.cleanup_batch_size,
+            clock=core.clock,
+            lock_name=BROKER_RETENTION_LOCK,
+        )
     reconciler = Reconciler(
         journal=commands.journal,
         wallet=commands.wallet,
@@ -86,4 +105,10 @@ def build_maintenance(
         clock=core.clock,
         room_turn=commands.registry.holding,
     )
-    return Maintenance(retention=retention, reconciler=reconciler, commands=commands, outbox_admin=outbox_admin)
+    return Maintenance(
+        retention=retention,
+        reconciler=reconciler,
+        commands=commands,
+        outbox_admin=outbox_admin,
+        broker_retention=broker_retention,
+    )

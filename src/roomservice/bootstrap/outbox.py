@@ -6,12 +6,15 @@ from collections.abc import Mapping
 
 from roomservice.bootstrap.core import Core, alive_check, ms
 from roomservice.bootstrap.direct import DirectTargets, build_direct_targets
-from roomservice.outbox.model import TREASURE_WAKEUP, PublishMode
+from roomservice.brokers.port import Broker
+from roomservice.outbox.model import BROKER, TREASURE_WAKEUP, PublishMode
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.broker import BrokerPublisher
 from roomservice.publishers.port import Publisher, PublisherSet
 from roomservice.publishers.treasure_wakeup import TreasureWakeupPublisher
+from roomservice.timers.delay_message import DelayMessageScheduler
 from roomservice.timers.port import TreasureScheduler
 
 
@@ -20,16 +23,31 @@ async def build_outbox_worker(
     *,
     owner: str,
     repository: SqlOutboxRepository,
-    scheduler: TreasureScheduler,
+    timer: TreasureScheduler,
+    broker: Broker | None,
     publishers: Mapping[str, Publisher],
 ) -> tuple[OutboxWorker, DirectTargets]:
-    """The worker with every target its publish mode needs; ``publishers`` add or replace targets (tests)."""
-    outbox = core.settings.outbox_worker
+    """The worker with every target its publish mode needs; ``publishers`` add or replace targets (tests).
+
+    Countdowns go to the broker as delay messages when ``rocketmq.treasure_open.enabled``, else to ``timer``
+    (the durable database timer)."""
+    settings = core.settings
+    outbox = settings.outbox_worker
+    mq = settings.rocketmq
     mode = PublishMode(outbox.publish_mode)
     direct = DirectTargets()
     if mode in (PublishMode.DIRECT, PublishMode.DUAL):
         direct = await build_direct_targets(core, skip=frozenset(publishers))
-    targets: dict[str, Publisher] = {TREASURE_WAKEUP: TreasureWakeupPublisher(scheduler), **direct.publishers}
+    scheduler = timer
+    targets: dict[str, Publisher] = dict(direct.publishers)
+    if broker is not None:
+        if mode in (PublishMode.MQ, PublishMode.DUAL):
+            targets[BROKER] = BrokerPublisher(broker, topic=mq.room_outbox.topic)
+        if mq.treasure_open.enabled:
+            scheduler = DelayMessageScheduler(
+                broker, topic=mq.treasure_open.topic, publish_timeout_s=outbox.publish_timeout.total_seconds()
+            )
+    targets[TREASURE_WAKEUP] = TreasureWakeupPublisher(scheduler)
     targets.update(publishers)
     worker = OutboxWorker(
         repository=repository,

@@ -15,14 +15,18 @@ from typing import Final
 
 from roomservice.activity.service import RunningActivityService
 from roomservice.admin.operations import OutboxAdmin
+from roomservice.bootstrap.broker import broker_check, consumer_groups, open_broker, publishes_to_broker
 from roomservice.bootstrap.commands import Commands, build_commands
+from roomservice.bootstrap.consumers import build_consumers, needs_commands, start_consumers
 from roomservice.bootstrap.core import Core
 from roomservice.bootstrap.direct import DirectTargets
 from roomservice.bootstrap.maintenance import Maintenance, build_maintenance
 from roomservice.bootstrap.outbox import build_outbox_worker, start_outbox_worker
+from roomservice.brokers.port import Broker
 from roomservice.cell.registry import CellRegistry
 from roomservice.clock import wall_clock_ms
 from roomservice.config import Settings
+from roomservice.consumers.runtime import ConsumerRuntime
 from roomservice.health import HealthChecks
 from roomservice.integrations.im_sandbox.server import RunningSandbox
 from roomservice.leases.port import LeaseManager
@@ -44,9 +48,11 @@ API: Final = "api"  # the command pipeline and the admin operations behind HTTP 
 OUTBOX: Final = "outbox"  # the outbox worker and its publishers
 TIMERS: Final = "timers"  # fires due treasure wake-ups through the command pipeline
 MAINTENANCE: Final = "maintenance"  # retention, command-log pruning, reconciliation, backlog metrics
-ROLES: Final = frozenset({API, OUTBOX, TIMERS, MAINTENANCE})
+CONSUMERS: Final = "consumers"  # the broker's consumer groups this configuration enables
+ROLES: Final = frozenset({API, OUTBOX, TIMERS, MAINTENANCE, CONSUMERS})
 SERVE_ROLES: Final = ROLES
 WORKER_ROLES: Final = frozenset({OUTBOX, TIMERS, MAINTENANCE})
+CONSUME_ROLES: Final = frozenset({CONSUMERS})
 
 
 @dataclass(slots=True)
@@ -60,6 +66,8 @@ class Process:
     treasure_timer: DatabaseTreasureTimer | None = None
     timer_runner: TreasureTimerRunner | None = None
     maintenance: Maintenance | None = None
+    broker: Broker | None = None
+    consumers: ConsumerRuntime | None = None
 
     # ------------------------------------------------------------------ the parts, by name
 
@@ -127,12 +135,13 @@ class Process:
         wallet: Wallet | None = None,
         publishers: Mapping[str, Publisher] | None = None,
         loops: bool = True,
+        groups: frozenset[str] | None = None,
     ) -> AsyncIterator[Process]:
         """Build and start ``roles``; stop everything on exit.
 
         ``wallet`` replaces the configured wallet and ``publishers`` adds or
         replaces delivery targets (tests); ``loops=False`` builds the same
-        parts but starts no background loop.
+        parts but starts no background loop; ``groups`` limits the consumers role to those groups.
         """
         chosen = frozenset(roles)
         unknown = chosen - ROLES
@@ -152,7 +161,7 @@ class Process:
             AsyncExitStack() as stack,
         ):
             core = Core(settings=settings, db=db, clock=clock, stack=stack)
-            process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {})
+            process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {}, groups=groups)
             if loops:
                 process._start()
             _log.info(
@@ -169,12 +178,25 @@ class Process:
 
     @classmethod
     async def _build(
-        cls, core: Core, roles: frozenset[str], *, wallet: Wallet | None, publishers: Mapping[str, Publisher]
+        cls,
+        core: Core,
+        roles: frozenset[str],
+        *,
+        wallet: Wallet | None,
+        publishers: Mapping[str, Publisher],
+        groups: frozenset[str] | None,
     ) -> Process:
         process = cls(core=core, roles=roles)
+        settings = core.settings
         core.health.register("database", SqlRoomStore(core.db).ping)
-        if roles & {API, TIMERS, MAINTENANCE}:
+        if roles & {API, TIMERS, MAINTENANCE} or (CONSUMERS in roles and needs_commands(core)):
             process.commands = await build_commands(core, wallet=wallet)
+        specs = [s for s in consumer_groups(settings) if groups is None or s.group in groups]
+        if CONSUMERS not in roles:
+            specs = []
+        if (OUTBOX in roles and publishes_to_broker(settings)) or specs:
+            process.broker = await open_broker(settings, db=core.db, clock=core.clock, stack=core.stack)
+            core.health.register("broker", broker_check(process.broker), critical=False)
         owner = new_owner()
         repository = SqlOutboxRepository(core.db)
         if roles & {OUTBOX, TIMERS, MAINTENANCE}:
@@ -182,7 +204,12 @@ class Process:
         if OUTBOX in roles:
             assert process.treasure_timer is not None
             process.worker, process.direct = await build_outbox_worker(
-                core, owner=owner, repository=repository, scheduler=process.treasure_timer, publishers=publishers
+                core,
+                owner=owner,
+                repository=repository,
+                timer=process.treasure_timer,
+                broker=process.broker,
+                publishers=publishers,
             )
             if process.commands is not None:
                 process.commands.service.on_outbox_commit.append(process.worker.wake)
@@ -206,7 +233,11 @@ class Process:
                 repository=repository,
                 timer=process.treasure_timer,
                 outbox_admin=process.outbox_admin,
+                broker=process.broker,
             )
+        if specs:
+            assert process.broker is not None
+            process.consumers = build_consumers(core, broker=process.broker, commands=process.commands, specs=specs)
         return process
 
     def _start(self) -> None:
@@ -219,14 +250,19 @@ class Process:
             self.commands.start(core)
         if self.maintenance is not None:
             self.maintenance.start(core)
+        if self.consumers is not None:
+            start_consumers(core, self.consumers)
 
     async def _stop(self) -> None:
         if self.timer_runner is not None:
             self.timer_runner.stop()
+        grace_s = self.settings.outbox_worker.publish_timeout.total_seconds()
         try:
+            if self.consumers is not None:  # deliveries in flight finish; the rest come back after visibility
+                await self.consumers.shutdown(grace_s=grace_s)
             if self.worker is not None:
                 # hands unfinished claims back so another process can take them at once
-                await self.worker.shutdown(grace_s=self.settings.outbox_worker.publish_timeout.total_seconds())
+                await self.worker.shutdown(grace_s=grace_s)
         except Exception as exc:  # the claims then wait out their lease; stopping goes on
             _log.warning("outbox_claims_not_released", error=repr(exc))
         finally:

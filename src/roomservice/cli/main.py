@@ -32,6 +32,7 @@ from typing import Annotated, Final
 import typer
 import uvicorn
 
+from roomservice.admin.broker_cli import broker_app
 from roomservice.admin.cli import outbox_app
 from roomservice.cli.config_cmd import config_app
 from roomservice.cli.options import (
@@ -58,6 +59,7 @@ db_app = typer.Typer(help="Database maintenance.", no_args_is_help=True, rich_ma
 app.add_typer(db_app, name="db")
 app.add_typer(outbox_app, name="outbox")
 app.add_typer(config_app, name="config")
+app.add_typer(broker_app, name="broker")
 activity_app = typer.Typer(
     help="The reference activity service (gRPC).", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
 )
@@ -189,6 +191,51 @@ async def _work(settings: Settings) -> None:
     async with Process.running(settings, roles=WORKER_ROLES):
         restrict_database_files(settings)
         get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
+        await stop.requested.wait()
+    stop.complete()
+
+
+@app.command()
+def consume(
+    group: Annotated[
+        list[str] | None,
+        typer.Option("--group", "-g", metavar="GROUP", help="Run only this enabled group (repeat for several)."),
+    ] = None,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+) -> None:
+    """Run the broker's consumer groups that the configuration enables, without HTTP or the outbox worker.
+
+    Several consume processes may run the same groups: the broker shares a
+    group's messages between them. SIGTERM or SIGINT lets the deliveries in
+    flight finish; the rest come back after their visibility timeout.
+    """
+    from roomservice.bootstrap.broker import consumer_groups
+
+    data_dir = prepare_data_dir(data_dir)
+    settings = settings_from_options(config, data_dir)
+    enabled = [spec.group for spec in consumer_groups(settings)]
+    if not enabled:
+        typer.echo("config error: no consumer group is enabled in this configuration; nothing to run", err=True)
+        raise typer.Exit(2)
+    unknown = sorted(set(group or ()) - set(enabled))
+    if unknown:
+        typer.echo(f"error: not an enabled group: {', '.join(unknown)} (enabled: {', '.join(enabled)})", err=True)
+        raise typer.Exit(2)
+    from roomservice.observability.logging import configure_logging
+
+    configure_logging(level=settings.logging.level, json=settings.logging.json)
+    asyncio.run(_consume(settings, frozenset(group or enabled)))
+
+
+async def _consume(settings: Settings, groups: frozenset[str]) -> None:
+    from roomservice.bootstrap import CONSUME_ROLES, Process
+    from roomservice.observability.logging import get_logger
+
+    stop = GracefulStop(deadline_s=_stop_deadline_s(settings, http=False)).install()
+    async with Process.running(settings, roles=CONSUME_ROLES, groups=groups):
+        restrict_database_files(settings)
+        get_logger("roomservice.cli").info("consumer_running", groups=sorted(groups))
         await stop.requested.wait()
     stop.complete()
 

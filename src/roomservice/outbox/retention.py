@@ -35,8 +35,10 @@ class RetentionSweeper:
         batch_size: int,
         clock: Callable[[], int],
         max_batches: int = 100,
+        lock_name: str = LOCK_NAME,
     ) -> None:
         self.lock = lock
+        self.lock_name = lock_name
         self.purges = purges
         self.retention_ms = retention_ms
         self.batch_size = batch_size
@@ -45,7 +47,7 @@ class RetentionSweeper:
 
     async def sweep(self) -> int:
         """Run every purge batch by batch; 0 when another process holds the lock."""
-        if not await self.lock.try_acquire(LOCK_NAME):
+        if not await self.lock.try_acquire(self.lock_name):
             return 0
         deleted = 0
         try:
@@ -58,7 +60,7 @@ class RetentionSweeper:
                         break
                     await asyncio.sleep(0)  # let commands in between batches
         finally:
-            await self.lock.release(LOCK_NAME)
+            await self.lock.release(self.lock_name)
         if deleted:
             _log.info("outbox_retention_swept", deleted=deleted, retention_ms=self.retention_ms)
         return deleted

@@ -1,0 +1,177 @@
+"""``room-service broker …``: the consumer groups of this configuration, their lag and dead letters.
+
+    room-service broker groups [--json]
+    room-service broker dead-letters GROUP [--limit N] [--json]
+    room-service broker replay GROUP MESSAGE_ID... | --all [--json]
+
+A replay sends a dead letter to its group only, with its key (the event id)
+unchanged, so the group's deduplication still applies. Exit codes: 0 done;
+1 the broker or database did not answer, or some ids were not dead letters
+of the group; 2 bad arguments (unknown group, no ids and no --all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, TypeVar
+
+import typer
+
+from roomservice import errors
+from roomservice.bootstrap.broker import GroupSpec, consumer_groups, open_broker
+from roomservice.brokers.port import Broker
+from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
+from roomservice.clock import wall_clock_ms
+from roomservice.config import Settings
+
+T = TypeVar("T")
+
+broker_app = typer.Typer(
+    help="Consumer groups on the broker: lag, dead letters, replay.", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
+)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _run(config: Path | None, data_dir: Path, work: Callable[[Broker, list[GroupSpec]], Awaitable[T]]) -> T:
+    from roomservice.store.migrate import opened_database, sqlite_file
+
+    private_files()
+    settings: Settings = settings_from_options(config, data_dir.expanduser().resolve())
+    groups = consumer_groups(settings)
+    url = settings.database.connect_url()
+    path = sqlite_file(url)
+    if settings.broker.driver == "embedded" and path is not None and not path.is_file():
+        _fail(f"no database at {path}: the embedded broker lives there (give the service's --data-dir or --config)")
+
+    async def main() -> T:
+        async with (
+            opened_database(url, migrate=False, pool_size=2, max_overflow=2) as db,
+            AsyncExitStack() as stack,
+        ):
+            broker = await open_broker(settings, db=db, clock=wall_clock_ms, stack=stack)
+            return await work(broker, groups)
+
+    try:
+        return asyncio.run(main())
+    except (errors.Unavailable, errors.Retry) as exc:
+        _fail(str(exc), 1)
+
+
+def _group(groups: list[GroupSpec], name: str) -> GroupSpec:
+    for spec in groups:
+        if spec.group == name:
+            return spec
+    known = ", ".join(g.group for g in groups) or "none (no consumer group is enabled)"
+    _fail(f"unknown consumer group {name!r}; this configuration runs: {known}")
+
+
+@broker_app.command("groups")
+def groups_command(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var"), as_json: JsonOpt = False) -> None:
+    """Each enabled consumer group: its topic, lag, deliveries in flight and dead letters."""
+
+    async def work(broker: Broker, groups: list[GroupSpec]) -> list[dict[str, Any]]:
+        out = []
+        for spec in groups:
+            stats = await broker.group_stats(spec.topic, spec.group)
+            out.append(
+                {
+                    "group": spec.group,
+                    "topic": spec.topic,
+                    "lag": stats.lag,
+                    "in_flight": stats.in_flight,
+                    "dead_letters": stats.dead_letters,
+                    "max_deliveries": spec.max_deliveries,
+                }
+            )
+        return out
+
+    rows = _run(config, data_dir, work)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo("no consumer group is enabled in this configuration")
+    for r in rows:
+        typer.echo(
+            f"{r['group']}  topic={r['topic']}  lag={r['lag']}  in_flight={r['in_flight']}  "
+            f"dead_letters={r['dead_letters']}  max_deliveries={r['max_deliveries']}"
+        )
+
+
+@broker_app.command("dead-letters")
+def dead_letters_command(
+    group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group name.")],
+    limit: Annotated[int, typer.Option(min=1, max=10_000, help="At most this many, oldest first.")] = 100,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    as_json: JsonOpt = False,
+) -> None:
+    """The dead letters of one group, oldest first."""
+
+    async def work(broker: Broker, groups: list[GroupSpec]) -> list[dict[str, Any]]:
+        spec = _group(groups, group)
+        letters = await broker.dead_letters(spec.group, limit=limit)
+        return [
+            {
+                "message_id": d.message_id,
+                "key": d.key,
+                "tag": d.tag,
+                "delivery_count": d.delivery_count,
+                "dead_at_ms": d.dead_at_ms,
+                "reason": d.reason,
+            }
+            for d in letters
+        ]
+
+    rows = _run(config, data_dir, work)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        typer.echo(f"no dead letters in {group}")
+    for r in rows:
+        typer.echo(f"{r['message_id']}  {r['tag']}  key={r['key']}  deliveries={r['delivery_count']}  {r['reason']}")
+
+
+@broker_app.command("replay")
+def replay_command(
+    group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group name.")],
+    message_ids: Annotated[list[str] | None, typer.Argument(metavar="MESSAGE_ID...", help="Dead letters.")] = None,
+    replay_all: Annotated[bool, typer.Option("--all", help="Every dead letter of the group.")] = False,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    as_json: JsonOpt = False,
+) -> None:
+    """Deliver dead letters to their group again (that group only, same key)."""
+    if not message_ids and not replay_all:
+        _fail("name the dead letters to replay, or give --all")
+
+    async def work(broker: Broker, groups: list[GroupSpec]) -> dict[str, list[str]]:
+        spec = _group(groups, group)
+        ids = list(message_ids or [])
+        if replay_all:
+            ids = [d.message_id for d in await broker.dead_letters(spec.group, limit=10_000)]
+        done: list[str] = []
+        missing: list[str] = []
+        for message_id in ids:
+            (done if await broker.replay_dead_letter(spec.group, message_id) else missing).append(message_id)
+        return {"replayed": done, "not_dead_letters": missing}
+
+    report = _run(config, data_dir, work)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        typer.echo(f"replayed {len(report['replayed'])} dead letter(s) to {group}")
+        for message_id in report["not_dead_letters"]:
+            typer.echo(f"not a dead letter of {group}: {message_id}", err=True)
+    if report["not_dead_letters"]:
+        raise typer.Exit(1)
