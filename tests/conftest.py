@@ -34,6 +34,7 @@ import pytest_asyncio
 from sqlalchemy import text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import create_async_engine
+from tests.nats_server import NATS_SERVER, OwnNatsServer
 
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
@@ -204,3 +205,14 @@ async def sqlite_database(sqlite_url: str) -> AsyncIterator[Database]:
     """A migrated SQLite :class:`Database`, for tests of SQLite-only behaviour."""
     async with migrated_database(sqlite_url) as db:
         yield db
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[OwnNatsServer]:
+    """A ``nats-server -js`` of this test alone (free port, temporary store), started; killed afterwards."""
+    if not os.path.exists(NATS_SERVER):
+        pytest.fail(f"{NATS_SERVER} is needed for the broker-restart tests", pytrace=False)
+    server = OwnNatsServer(tmp_path / "jetstream")
+    server.start()
+    yield server
+    server.kill()

@@ -1,13 +1,16 @@
-"""The treasure wake-up through real processes: outbox row -> durable timer -> OpenTreasure.
+"""The treasure wake-up through real processes: outbox row -> durable timer or delay message -> OpenTreasure.
 
 A countdown is committed over HTTP, the server is killed (-9) before the box
-is due, and after a restart the box still opens, exactly once.
+is due, and after a restart the box still opens, exactly once: from the
+durable database timer, or from a delay message on the embedded broker or on
+NATS JetStream (``rocketmq.treasure_open.enabled``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -47,8 +50,26 @@ async def _wait_for_level(http: httpx.AsyncClient, level: int, *, timeout_s: flo
         await asyncio.sleep(0.1)
 
 
-async def test_box_opens_once_after_a_kill_before_it_is_due(tmp_path: Path) -> None:
-    server = ServerProcess(config=write_config(tmp_path / "c.yaml", extra=FAST_TREASURE), data_dir=tmp_path / "data")
+DELAY_MESSAGES = """
+rocketmq: {treasure_open: {enabled: true}}
+"""
+
+
+def nats_broker() -> str:
+    return f"""
+broker: {{driver: nats, nats: {{url: "nats://127.0.0.1:4222", stream: "e2e_{secrets.token_hex(4)}"}}}}
+"""
+
+
+@pytest.mark.parametrize("wakeup", ["database_timer", "embedded_broker", "nats"])
+async def test_box_opens_once_after_a_kill_before_it_is_due(tmp_path: Path, wakeup: str, require_service: Any) -> None:
+    extra = FAST_TREASURE
+    if wakeup != "database_timer":
+        extra += DELAY_MESSAGES
+    if wakeup == "nats":
+        require_service("NATS", "127.0.0.1", 4222)
+        extra += nats_broker()
+    server = ServerProcess(config=write_config(tmp_path / "c.yaml", extra=extra), data_dir=tmp_path / "data")
     server.start()
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
@@ -86,4 +107,4 @@ async def test_box_opens_once_after_a_kill_before_it_is_due(tmp_path: Path) -> N
         await db.dispose()
     opened_events = [ev["type"] for (events,) in opened for ev in json.loads(events)]
     assert opened_events == ["RoomTreasureOpened"]  # opened exactly once
-    assert [s for (s,) in timers] == ["fired"]
+    assert [s for (s,) in timers] == ([] if wakeup != "database_timer" else ["fired"])

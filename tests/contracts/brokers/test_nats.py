@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import shutil
-import signal
-import socket
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
@@ -33,13 +28,13 @@ from tests.contracts.brokers.base import (
     message,
     unique,
 )
+from tests.nats_server import OwnNatsServer, free_port
 
 from roomservice.brokers.nats import H_DEAD_COUNT, H_DEAD_SEQ, NatsBroker, open_nats_broker
 from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable
 from roomservice.config import ConfigError, NatsConfig, settings_from_yaml
 
 SHARED_URL = "nats://127.0.0.1:4222"
-NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 
 
 def _config(url: str) -> NatsConfig:
@@ -81,56 +76,6 @@ class TestNatsBroker(BrokerContract):
 
 
 # --------------------------------------------------------------------------- our own server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class OwnNatsServer:
-    """``nats-server -js`` on a free port with its own store dir; stop (SIGKILL) and start it at will."""
-
-    def __init__(self, store: Path) -> None:
-        self.port = _free_port()
-        self.store = store
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert self.process is None
-        self.process = subprocess.Popen(
-            [NATS_SERVER, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        end = time.monotonic() + DEADLINE
-        while time.monotonic() < end:
-            assert self.process.poll() is None, "nats-server exited at start"
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("nats-server did not listen in time")
-
-    def kill(self) -> None:
-        """A crash: SIGKILL, no shutdown."""
-        if self.process is not None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-            self.process = None
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[OwnNatsServer]:
-    if not os.path.exists(NATS_SERVER):
-        pytest.fail(f"{NATS_SERVER} is needed for the broker-restart tests", pytrace=False)
-    server = OwnNatsServer(tmp_path / "jetstream")
-    server.start()
-    yield server
-    server.kill()
 
 
 async def _until_ready(broker: NatsBroker) -> None:
@@ -241,7 +186,7 @@ async def test_connecting_to_no_server_is_unavailable_within_the_connect_timeout
     started = time.monotonic()
     with pytest.raises(BrokerUnavailable):
         await open_nats_broker(
-            NatsConfig(url=f"nats://127.0.0.1:{_free_port()}", connect_timeout="1s"), duplicate_window_s=60
+            NatsConfig(url=f"nats://127.0.0.1:{free_port()}", connect_timeout="1s"), duplicate_window_s=60
         )
     assert time.monotonic() - started < 1.0 + 1.5
 
