@@ -123,3 +123,38 @@ async def test_treasure_opens_once_by_delay_message(started: Callable[..., Any])
 
 async def _any_status(rt: Process, status: str) -> bool:
     return await count(rt, t.room_outbox, t.room_outbox.c.status == status) > 0
+
+
+async def test_a_consumer_killed_after_its_effect_and_before_its_ack_applies_nothing_twice(
+    started: Callable[..., Any],
+) -> None:
+    async with started(**MQ, **TREASURE, **{"outbox_worker.publish_timeout": "1s"}) as rt:
+        assert rt.consumers is not None
+        handler = rt.consumers.runner("hyapp-room-treasure-open").handler
+        opened_once = asyncio.Event()
+        real_opener = handler.opener  # type: ignore[attr-defined]
+
+        async def open_then_die(*args: Any) -> object:
+            answer = await real_opener(*args)
+            opened_once.set()
+            await asyncio.Event().wait()  # the process dies here: no ack, no nack
+            return answer
+
+        handler.opener = open_then_die  # type: ignore[attr-defined]
+        await run(rt, "r1", "c1", c.CreateRoom(owner_id="alice", title="box"))
+        await run(rt, "r1", "c2", c.JoinRoom(user_id="bob"))
+        await run(rt, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="alice", gift_id="rocket", count=1))
+        await asyncio.wait_for(opened_once.wait(), 15)
+    async with started(**MQ, **TREASURE, **{"outbox_worker.publish_timeout": "1s"}) as rt:
+        broker = await _broker(rt)
+
+        async def redelivered_and_acked() -> bool:
+            stats = await broker.group_stats("hyapp_room_treasure_open", "hyapp-room-treasure-open")
+            return stats.lag == 0
+
+        await eventually(redelivered_and_acked, deadline_s=30, what="the wake-up redelivered and acked")
+        assert rt.consumers is not None
+        counts = rt.consumers.runner("hyapp-room-treasure-open").counts
+        assert (counts.duplicates, counts.applied) == (1, 0)  # the redelivery was a replay of the same command
+        logged = await count(rt, t.room_command_log, t.room_command_log.c.command_type == "OpenTreasure")
+        assert logged == 1
