@@ -176,6 +176,11 @@ def test_seed_yaml_loads_verbatim_and_means_what_the_seed_says(tmp_path: Path) -
     assert w.jitter == pytest.approx(0.2)
 
 
+def test_the_database_deadline_defaults_to_5s_and_takes_a_duration() -> None:
+    assert Settings().database.timeout == timedelta(seconds=5)
+    assert load({"database": {"timeout": "750ms"}}).database.timeout == timedelta(milliseconds=750)
+
+
 def test_seed_blocks_are_the_defaults() -> None:
     s = settings_from_yaml(SEED_YAML, env={})
     assert s.rocketmq == Settings().rocketmq
@@ -360,6 +365,8 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ),
     ({"database": {"pool_size": 0}}, "database.pool_size must be >= 1"),
     ({"database": {"max_overflow": -1}}, "database.max_overflow must be >= 0"),
+    ({"database": {"timeout": "0s"}}, "database.timeout must be > 0"),
+    ({"database": {"timeout": 5}}, "database.timeout must be a duration string"),
     ({"redis": {"url": "http://redis:6379"}}, "redis.url must start with redis://"),
     ({"lease": {"driver": "etcd"}}, "lease.driver must be one of inprocess, redis"),
     ({"lease": {"ttl": "0s"}}, "lease.ttl must be > 0"),

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from roomservice.store.database import Database
+from roomservice.store.database import Database, session_limits_sql
+from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 
 async def test_sqlite_connections_get_wal_and_pragmas(tmp_path: Path) -> None:
@@ -200,3 +201,116 @@ async def test_committed_connections_return_to_the_pool_without_a_rollback(maria
         await db.dispose()
     assert after_commits - before == 1  # only the counting read's own rollback
     assert after_failure - after_commits >= 2  # the failed write rolled back (+ the read)
+
+
+# --------------------------------------------------------------------------- deadlines
+
+_COUNT_FOREVER = (  # a statement that runs for minutes unless interrupted
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000000000) SELECT count(*) FROM c"
+)
+
+
+async def test_sqlite_busy_timeout_is_the_deadline(tmp_path: Path) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db", timeout_s=0.25)
+    try:
+        async with db.read() as conn:
+            assert (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar() == 250
+        assert await db.run_read(lambda conn: conn.exec_driver_sql("PRAGMA busy_timeout").scalar()) == 250
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.parametrize("unit", ["run_read", "run_write"])
+async def test_a_sqlite_unit_past_its_deadline_is_interrupted(tmp_path: Path, unit: str) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db", timeout_s=0.3)
+
+    def count_forever(conn: sa.Connection) -> object:
+        return conn.exec_driver_sql(_COUNT_FOREVER).scalar()
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreDeadlineExceeded, match=r"0\.3s deadline"):
+            await getattr(db, unit)(count_forever)
+        assert time.monotonic() - started < 3  # interrupted, not run to its end
+        assert await db.run_write(lambda conn: conn.exec_driver_sql("SELECT 1").scalar()) == 1  # lock free
+    finally:
+        await db.dispose()
+
+
+async def test_a_sqlite_write_block_has_the_deadline_and_so_has_the_wait_for_the_write_lock(tmp_path: Path) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db", timeout_s=0.3)
+    holding = asyncio.Event()
+
+    async def hold_the_lock(*, bounded: bool) -> None:
+        async with db.write(bounded=bounded):
+            holding.set()
+            await asyncio.sleep(30)  # a block that never ends on its own
+
+    try:
+        started = time.monotonic()
+        with pytest.raises(StoreDeadlineExceeded):
+            await hold_the_lock(bounded=True)
+        assert time.monotonic() - started < 2
+        holding.clear()
+        holder = asyncio.create_task(hold_the_lock(bounded=False))  # a migration, say
+        await holding.wait()
+        started = time.monotonic()
+        with pytest.raises(StoreDeadlineExceeded):
+            await db.run_write(lambda conn: conn.exec_driver_sql("SELECT 1").scalar())
+        assert time.monotonic() - started < 2
+        holder.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await holder
+    finally:
+        await db.dispose()
+
+
+async def test_mariadb_sessions_carry_limits_that_are_multiples_of_the_deadline(mariadb_url: str) -> None:
+    db = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=1.5)
+    try:
+        async with db.read() as conn:
+            limits = (
+                await conn.execute(
+                    sa.text("SELECT @@max_statement_time, @@innodb_lock_wait_timeout, @@idle_transaction_timeout")
+                )
+            ).one()
+        assert (float(limits[0]), int(limits[1]), int(limits[2])) == (1.5, 2, 3)
+    finally:
+        await db.dispose()
+
+
+def test_mysql_servers_get_their_own_statement_limit() -> None:
+    assert session_limits_sql("mysql", 0.5) == ("SET SESSION max_execution_time = 500, innodb_lock_wait_timeout = 1")
+    assert "idle_transaction_timeout = 1" in session_limits_sql("mariadb", 0.5)
+
+
+async def test_a_mariadb_statement_past_the_deadline_is_ended_by_the_server(mariadb_url: str) -> None:
+    db = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=0.4)
+    try:
+        async with db.read() as conn:
+            first = (await conn.execute(sa.text("SELECT CONNECTION_ID()"))).scalar_one()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="OperationalError"):
+            async with db.read() as conn:
+                await conn.execute(sa.text("SELECT SLEEP(5)"))  # max_statement_time interrupts it
+        assert time.monotonic() - started < 2
+        async with db.read() as conn:  # an answered error: the session is sound and stays pooled
+            assert (await conn.execute(sa.text("SELECT CONNECTION_ID()"))).scalar_one() == first
+    finally:
+        await db.dispose()
+
+
+async def test_an_unbounded_write_lifts_the_limits_of_its_session_only(mariadb_url: str) -> None:
+    """Migrations: DDL and the migration lock wait may take long; the session is closed after."""
+    db = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=0.4)
+    try:
+        async with db.write(bounded=False) as conn:
+            session = (await conn.execute(sa.text("SELECT CONNECTION_ID()"))).scalar_one()
+            await conn.execute(sa.text("SELECT SLEEP(0.8)"))  # twice the deadline
+            lifted = (await conn.execute(sa.text("SELECT @@max_statement_time, @@idle_transaction_timeout"))).one()
+        assert (float(lifted[0]), int(lifted[1])) == (0.0, 0)
+        async with db.read() as conn:
+            again = (await conn.execute(sa.text("SELECT CONNECTION_ID(), @@max_statement_time"))).one()
+        assert again[0] != session and float(again[1]) == 0.4
+    finally:
+        await db.dispose()

@@ -157,6 +157,7 @@ class Process:
                 pool_size=database.pool_size,
                 max_overflow=database.max_overflow,
                 echo=database.echo,
+                timeout_s=database.timeout.total_seconds(),
             ) as db,
             AsyncExitStack() as stack,
         ):

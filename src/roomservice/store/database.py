@@ -13,7 +13,7 @@ Two ways in, same transaction discipline on both backends:
 What differs per backend is decided once, here:
 
 * SQLite (``sqlite+aiosqlite:///path``): WAL, ``synchronous=NORMAL``,
-  ``busy_timeout=5000``, ``foreign_keys=ON``. The sqlite3 driver's own
+  ``busy_timeout`` = the deadline, ``foreign_keys=ON``. The sqlite3 driver's own
   transaction handling is switched off (SQLAlchemy's documented recipe: no
   isolation level on connect, our own BEGIN in a "begin" hook) so a write
   transaction starts with ``BEGIN IMMEDIATE``: it takes the write lock up front
@@ -23,13 +23,48 @@ What differs per backend is decided once, here:
   transactions of this process queue on an ``asyncio.Lock`` rather than spin
   on the busy timeout; other processes are covered by ``busy_timeout``.
 * MySQL/MariaDB (``mysql+asyncmy://`` or ``mariadb+asyncmy://``, both run as
-  the "mysql" dialect): READ COMMITTED, utf8mb4, a bounded pool with pre-ping
-  and hourly recycling.
+  the "mysql" dialect): READ COMMITTED, utf8mb4, a bounded pool (no pre-ping)
+  recycled every five minutes, and per-session server limits (below).
+
+Deadlines. Every call — a ``run_read``/``run_write`` unit or a ``read()``/``write()``
+block, its wait for the write lock or a pooled connection and the connect
+included — has one deadline ``D`` (``timeout_s``, ``database.timeout``). A call
+that misses it raises :class:`StoreDeadlineExceeded` (a :class:`StoreUnavailable`:
+the command answers ``503 unavailable``, and a write's outcome is unknown, so
+the cell is reloaded). Every other bound is a multiple of ``D``:
+
+==============================  =======================================================
+client, MySQL                   the call fails by ``D``; its connection is closed at once
+                                (no I/O on it) and invalidated, never pooled again
+client, SQLite                  the running statement is interrupted at ``D``; a statement
+                                inside the busy wait ends with it: by ``2 D`` at worst
+pool checkout, TCP connect      ``D`` (inside the call's deadline anyway)
+driver read timeout             ``2 D``: a backstop for code that takes a connection
+                                from ``engine`` directly (the maintenance lock)
+server ``max_statement_time``   ``D`` (MySQL: ``max_execution_time``, SELECTs only)
+``innodb_lock_wait_timeout``    ``ceil(D)`` seconds
+``idle_transaction_timeout``    ``ceil(2 D)`` seconds (MariaDB): a live client never
+                                idles inside a transaction longer than its deadline
+abandoned session               ``KILL``-ed from a fresh connection, each attempt
+                                bounded by ``D``, retried until ``3 D``; by then the
+                                server limits above have ended it anyway, so its row
+                                locks are gone ``3 D`` after the call gave up
+``dispose()``                   ``D``
+==============================  =======================================================
+
+A client that gives up on a connection cannot tell the server (a partition
+drops its close too); without the server-side limits and the kill, the
+session's row locks would stay until ``wait_timeout`` (hours). Migrations run
+``unbounded`` (``write(bounded=False)``): no deadline, the server limits lifted
+for that one session, which is closed afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -40,17 +75,23 @@ from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState, QueuePool
 from sqlalchemy.sql.dml import Insert
 
-from roomservice.store.port import StoreUnavailable
+from roomservice.observability.logging import get_logger
+from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 DialectName = Literal["sqlite", "mysql"]
 P = ParamSpec("P")
 T = TypeVar("T")
+
+_log = get_logger("roomservice.store")
+
+DEFAULT_TIMEOUT_S: Final = 5.0
+"""The deadline of one database call when none is configured (``database.timeout``)."""
 
 # Execution option read by the SQLite "begin" hook: the statement that opens a transaction.
 _BEGIN_OPTION: Final = "roomservice_sqlite_begin"
@@ -60,22 +101,27 @@ _BEGIN_NOTHING: Final = {_BEGIN_OPTION: None}
 _SQLITE_PRAGMAS: Final = (
     "PRAGMA journal_mode=WAL",
     "PRAGMA synchronous=NORMAL",
-    "PRAGMA busy_timeout=5000",
     "PRAGMA foreign_keys=ON",
 )
 # Marks a pooled connection whose last transaction committed: it goes back to
 # the pool without the customary (and here pointless) ROLLBACK round trip.
 _COMMITTED: Final = "roomservice_committed"
+# The server's id of a MySQL session (its CONNECTION_ID()), kept in the pool record's info.
+_THREAD_ID: Final = "roomservice_thread_id"
 # Threads (and pysqlite connections) for run_read/run_write on SQLite: one
 # writer at a time anyway, a few concurrent readers.
 _SQLITE_THREADS: Final = 4
+_INTERRUPT_EVERY_S: Final = 0.02
 
 
 class Database:
-    """An :class:`AsyncEngine` plus the transaction discipline of its dialect."""
+    """An :class:`AsyncEngine` plus the transaction discipline and the deadlines of its dialect."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
         self.engine = engine
+        self.timeout_s = timeout_s
         name = engine.dialect.name
         if name == "sqlite":
             self.dialect_name: DialectName = "sqlite"
@@ -87,19 +133,22 @@ class Database:
         _reset_unless_committed(engine.sync_engine)
         self._sync_engine: Engine | None = None
         self._threads: ThreadPoolExecutor | None = None
+        self._reaper: _SessionReaper | None = None
         if self.dialect_name == "sqlite":
-            _take_over_sqlite_transactions(engine.sync_engine)
+            _take_over_sqlite_transactions(engine.sync_engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
             self._write_engine = engine.execution_options(**_BEGIN_WRITE)
             self._read_engine = engine.execution_options(**_BEGIN_NOTHING)
             # A private :memory: database exists in one connection only; it
             # cannot be shared with a second engine, so it keeps the async path.
             if not _is_sqlite_memory(engine.url):
-                self._sync_engine = _sqlite_sync_engine(engine)
+                self._sync_engine = _sqlite_sync_engine(engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
                 self._sync_write_engine = self._sync_engine.execution_options(**_BEGIN_WRITE)
                 self._sync_read_engine = self._sync_engine.execution_options(**_BEGIN_NOTHING)
                 self._threads = ThreadPoolExecutor(_SQLITE_THREADS, thread_name_prefix="roomservice-sqlite")
         else:
             self._write_engine = self._read_engine = engine
+            _limit_mysql_sessions(engine.sync_engine, timeout_s)
+            self._reaper = _SessionReaper(engine, timeout_s)
 
     @classmethod
     def from_url(
@@ -109,6 +158,7 @@ class Database:
         pool_size: int = 20,
         max_overflow: int = 20,
         echo: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> Database:
         parsed = make_url(url)
         backend = parsed.get_backend_name()
@@ -117,7 +167,7 @@ class Database:
         if backend == "sqlite":
             _ensure_sqlite_parent_dir(parsed)
             if not _is_sqlite_memory(parsed):
-                options.update(pool_size=pool_size, max_overflow=max_overflow)
+                options.update(pool_size=pool_size, max_overflow=max_overflow, pool_timeout=timeout_s)
         elif backend in ("mysql", "mariadb"):
             # One dialect name everywhere: statements written for "mysql"
             # (prefixes, variants, options) then also apply on MariaDB, which
@@ -129,43 +179,128 @@ class Database:
                 isolation_level="READ COMMITTED",
                 pool_size=pool_size,
                 max_overflow=max_overflow,
+                pool_timeout=timeout_s,
                 # No pre-ping: it costs a round trip on every checkout. A dead
                 # connection fails its statement, SQLAlchemy drops the pool, and
                 # the command answers 503 (StoreUnavailable), safe to retry.
                 pool_recycle=300,
+                connect_args={"connect_timeout": timeout_s, "read_timeout": 2 * timeout_s},
             )
         else:
             raise ValueError(f"unsupported database URL scheme {parsed.drivername!r}")
-        return cls(create_async_engine(parsed, **options))
+        return cls(create_async_engine(parsed, **options), timeout_s=timeout_s)
 
     @property
     def is_sqlite(self) -> bool:
         return self.dialect_name == "sqlite"
 
-    @asynccontextmanager
-    async def write(self) -> AsyncIterator[AsyncConnection]:
-        """One write transaction: committed when the block exits, rolled back if it raises."""
-        with _unavailable_on_failure():
-            if self.dialect_name == "sqlite":
-                async with self._write_lock, self._write_transaction() as conn:
-                    yield conn
-            else:
-                async with self._write_transaction() as conn:
-                    yield conn
+    # ------------------------------------------------------------------ blocks
 
     @asynccontextmanager
-    async def _write_transaction(self) -> AsyncIterator[AsyncConnection]:
-        async with self._write_engine.connect() as conn:
-            async with conn.begin():
-                yield conn
-            conn.info[_COMMITTED] = True
+    async def write(self, *, bounded: bool = True) -> AsyncIterator[AsyncConnection]:
+        """One write transaction: committed when the block exits, rolled back if it raises.
+
+        The whole block has the deadline; ``bounded=False`` (migrations only) lifts it.
+        """
+        with _unavailable_on_failure():
+            if self.dialect_name == "sqlite":
+                async with self._sqlite_block(self._write_engine, write=True, bounded=bounded) as conn:
+                    yield conn
+            else:
+                async with self._mysql_block(write=True, bounded=bounded) as conn:
+                    yield conn
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
         """A connection for reads. Each statement sees committed data; write nothing through it."""
         with _unavailable_on_failure():
-            async with self._read_engine.connect() as conn:
-                yield conn
+            if self.dialect_name == "sqlite":
+                async with self._sqlite_block(self._read_engine, write=False, bounded=True) as conn:
+                    yield conn
+            else:
+                async with self._mysql_block(write=False, bounded=True) as conn:
+                    yield conn
+
+    @asynccontextmanager
+    async def _sqlite_block(self, engine: AsyncEngine, *, write: bool, bounded: bool) -> AsyncIterator[AsyncConnection]:
+        # aiosqlite runs each call on its own thread: a call the deadline cancels
+        # still finishes there (bounded by busy_timeout) before the rollback runs.
+        scope = asyncio.timeout(self.timeout_s if bounded else None)
+        try:
+            async with scope:
+                if write:
+                    async with self._write_lock, engine.connect() as conn:
+                        async with conn.begin():
+                            yield conn
+                        conn.info[_COMMITTED] = True
+                else:
+                    async with engine.connect() as conn:
+                        yield conn
+        except TimeoutError as exc:
+            if scope.expired():
+                raise self._deadline_exceeded() from exc
+            raise
+
+    @asynccontextmanager
+    async def _mysql_block(self, *, write: bool, bounded: bool) -> AsyncIterator[AsyncConnection]:
+        """A pooled connection under the deadline. Cancelled inside (the deadline, or
+        the caller went away), the connection is in an unknown state: it is closed
+        without another byte sent, invalidated and its server session killed."""
+        scope = asyncio.timeout(self.timeout_s if bounded else None)
+        conn: AsyncConnection | None = None
+        driver: Any = None
+        thread_id: int | None = None
+        try:
+            async with scope:
+                conn = await self.engine.connect()
+                driver, thread_id = _driver(conn), conn.info.get(_THREAD_ID)
+                try:
+                    if write:
+                        await conn.begin()
+                    if not bounded:
+                        await conn.exec_driver_sql(_UNBOUNDED_SESSION_SQL[_server_kind_of(driver.server_version)])
+                        driver._read_timeout = None
+                    yield conn
+                    if write:
+                        await conn.commit()
+                        conn.info[_COMMITTED] = True
+                except Exception as exc:
+                    if _lost_connection(exc):  # already invalidated by SQLAlchemy
+                        self._reap(thread_id)
+                    elif conn.in_transaction():
+                        await conn.rollback()
+                    await conn.close()
+                    conn = None
+                    raise
+                if not bounded:
+                    await conn.invalidate()  # never pooled with its limits lifted
+                await conn.close()
+                conn = None
+        except TimeoutError as exc:
+            if scope.expired():
+                raise self._deadline_exceeded() from exc
+            raise
+        finally:
+            if conn is not None:  # cancelled, timed out, or the rollback failed
+                await self._discard(conn, driver, thread_id)
+
+    async def _discard(self, conn: AsyncConnection, driver: Any, thread_id: int | None) -> None:
+        if driver is not None:
+            driver.close()  # the transport only: nothing may wait on a hung peer
+        try:
+            await asyncio.shield(_invalidate_and_close(conn))
+        except Exception as exc:
+            _log.warning("database_connection_discard_failed", error=repr(exc))
+        self._reap(thread_id)
+
+    def _reap(self, thread_id: int | None) -> None:
+        if self._reaper is not None and thread_id is not None:
+            self._reaper.kill(thread_id)
+
+    def _deadline_exceeded(self) -> StoreDeadlineExceeded:
+        return StoreDeadlineExceeded(f"database call exceeded its {self.timeout_s:g}s deadline")
+
+    # ------------------------------------------------------------------ units
 
     async def run_write(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(conn, *args, **kwargs)`` in one write transaction (committed unless it raises)."""
@@ -173,17 +308,30 @@ class Database:
             async with self.write() as conn:
                 return await conn.run_sync(fn, *args, **kwargs)
         engine = self._sync_write_engine
+        running = _RunningUnit()
 
         def unit() -> T:
             with engine.connect() as conn:
-                with conn.begin():
-                    result = fn(conn, *args, **kwargs)
-                conn.info[_COMMITTED] = True
-                return result
+                running.attach(conn)
+                try:
+                    with conn.begin():
+                        result = fn(conn, *args, **kwargs)
+                    conn.info[_COMMITTED] = True
+                    return result
+                finally:
+                    running.detach()
 
         with _unavailable_on_failure():
-            async with self._write_lock:
-                return await self._in_thread(unit)
+            deadline = asyncio.get_running_loop().time() + self.timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._write_lock.acquire()
+            except TimeoutError as exc:
+                raise self._deadline_exceeded() from exc
+            try:
+                return await self._in_thread(unit, running, deadline)
+            finally:
+                self._write_lock.release()
 
     async def run_read(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """``fn(conn, *args, **kwargs)`` on a read connection."""
@@ -191,20 +339,37 @@ class Database:
             async with self.read() as conn:
                 return await conn.run_sync(fn, *args, **kwargs)
         engine = self._sync_read_engine
+        running = _RunningUnit()
 
         def unit() -> T:
             with engine.connect() as conn:
-                return fn(conn, *args, **kwargs)
+                running.attach(conn)
+                try:
+                    return fn(conn, *args, **kwargs)
+                finally:
+                    running.detach()
 
         with _unavailable_on_failure():
-            return await self._in_thread(unit)
+            return await self._in_thread(unit, running, asyncio.get_running_loop().time() + self.timeout_s)
 
-    async def _in_thread(self, unit: Callable[[], T]) -> T:
+    async def _in_thread(self, unit: Callable[[], T], running: _RunningUnit, deadline: float) -> T:
         future = asyncio.get_running_loop().run_in_executor(self._threads, unit)
         try:
-            return await asyncio.shield(future)
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.shield(future)
+        except TimeoutError:
+            # Interrupt the running statement (again, in case it ran between two),
+            # and wait for the thread: its transaction must end before the write
+            # lock is free. A unit that finished after all keeps its result.
+            while not future.done():
+                running.interrupt()
+                await asyncio.wait([future], timeout=_INTERRUPT_EVERY_S)
+            try:
+                return future.result()
+            except (OperationalError, _Abandoned) as exc:
+                raise self._deadline_exceeded() from exc
         except asyncio.CancelledError:
-            # The thread cannot be interrupted: let its transaction end (commit
+            # The thread cannot be cancelled: let its transaction end (commit
             # or roll back) before the caller releases the write lock.
             await asyncio.wait([future])
             raise
@@ -222,11 +387,180 @@ class Database:
         return mysql.insert(table).on_duplicate_key_update({first_pk.name: first_pk})
 
     async def dispose(self) -> None:
-        await self.engine.dispose()
+        """Close every pooled connection; bounded by the deadline even when the server hangs."""
+        if self._reaper is not None:
+            await self._reaper.stop()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.engine.dispose()
+        except TimeoutError:
+            _log.warning("database_dispose_timed_out", timeout_s=self.timeout_s)
         if self._sync_engine is not None and self._threads is not None:
             threads, sync_engine = self._threads, self._sync_engine
             await asyncio.to_thread(threads.shutdown, wait=True)
             sync_engine.dispose()
+
+
+# --------------------------------------------------------------------------- MySQL sessions
+
+# MariaDB has a statement deadline for every statement and an idle-in-transaction
+# limit; MySQL only a SELECT deadline (milliseconds) and no idle limit (the kill covers it).
+_SERVER_MARIADB: Final = "mariadb"
+_SERVER_MYSQL: Final = "mysql"
+_UNBOUNDED_SESSION_SQL: Final = {
+    _SERVER_MARIADB: "SET SESSION max_statement_time = 0, idle_transaction_timeout = 0",
+    _SERVER_MYSQL: "SET SESSION max_execution_time = 0",
+}
+
+
+def session_limits_sql(server: str, timeout_s: float) -> str:
+    """The ``SET SESSION`` run on every new MySQL/MariaDB connection (see the module docs)."""
+    lock_wait_s = max(1, math.ceil(timeout_s))
+    if server == _SERVER_MARIADB:
+        idle_s = max(1, math.ceil(2 * timeout_s))
+        return (
+            f"SET SESSION max_statement_time = {timeout_s:.3f}, innodb_lock_wait_timeout = {lock_wait_s}, "
+            f"idle_transaction_timeout = {idle_s}"
+        )
+    return (
+        f"SET SESSION max_execution_time = {max(1, round(timeout_s * 1000))}, innodb_lock_wait_timeout = {lock_wait_s}"
+    )
+
+
+def _server_kind_of(server_version: str) -> str:
+    return _SERVER_MARIADB if "mariadb" in server_version.lower() else _SERVER_MYSQL
+
+
+def _driver(conn: AsyncConnection) -> Any:
+    """The asyncmy connection under ``conn``."""
+    return conn.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+
+
+def _limit_mysql_sessions(sync_engine: Engine, timeout_s: float) -> None:
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_connection: DBAPIConnection, record: ConnectionPoolEntry) -> None:
+        driver = getattr(dbapi_connection, "_connection", None)
+        record.info[_THREAD_ID] = int(driver.thread_id()) if driver is not None else None
+        server = _server_kind_of(str(getattr(driver, "server_version", "")))
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(session_limits_sql(server, timeout_s))
+        finally:
+            cursor.close()
+
+
+async def _invalidate_and_close(conn: AsyncConnection) -> None:
+    await conn.invalidate()
+    await conn.close()
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+class _SessionReaper:
+    """Kills the server sessions of connections given up on, so their row locks go now
+    rather than when the server notices. Best effort, one connection at a time: each
+    attempt is bounded by the deadline, and a session is given up after ``3 D`` (the
+    server's own limits have ended it by then)."""
+
+    def __init__(self, engine: AsyncEngine, timeout_s: float) -> None:
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self._pending: dict[int, float] = {}  # thread id -> loop time to give up at
+        self._task: asyncio.Task[None] | None = None
+        self.killed = 0
+
+    def kill(self, thread_id: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._pending.setdefault(thread_id, loop.time() + 3 * self._timeout_s)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="database-session-reaper")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._pending.clear()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            now = loop.time()
+            for thread_id, give_up_at in list(self._pending.items()):
+                if give_up_at <= now:
+                    del self._pending[thread_id]
+            if not self._pending:
+                return
+            started = loop.time()
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    await self._kill_pending()
+            except Exception as exc:  # unreachable still: try again shortly
+                _log.info("database_session_kill_failed", sessions=len(self._pending), error=repr(exc))
+                await asyncio.sleep(max(0.0, min(self._timeout_s, 1.0) - (loop.time() - started)))
+
+    async def _kill_pending(self) -> None:
+        import asyncmy
+        from asyncmy.errors import OperationalError as DriverOperationalError
+
+        _, params = self._engine.dialect.create_connect_args(self._engine.url)
+        params = {**params, "connect_timeout": self._timeout_s, "read_timeout": self._timeout_s}
+        conn = await asyncmy.connect(**params)
+        try:
+            async with conn.cursor() as cursor:
+                for thread_id in list(self._pending):
+                    try:
+                        await cursor.execute(f"KILL CONNECTION {int(thread_id)}")
+                        self.killed += 1
+                        _log.info("database_session_killed", thread_id=thread_id)
+                    except DriverOperationalError as exc:
+                        if exc.args and exc.args[0] != _ER_NO_SUCH_THREAD:
+                            raise
+                    del self._pending[thread_id]
+        finally:
+            conn.close()
+
+
+_ER_NO_SUCH_THREAD: Final = 1094
+
+
+# --------------------------------------------------------------------------- SQLite units
+
+
+class _Abandoned(Exception):
+    """The deadline passed before the unit got its connection: it did nothing."""
+
+
+class _RunningUnit:
+    """The pysqlite connection a run_read/run_write unit is using, so that the event
+    loop can interrupt its statement (``sqlite3.Connection.interrupt`` is thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._connection: sqlite3.Connection | None = None
+        self._interrupted = False
+
+    def attach(self, conn: Connection) -> None:
+        with self._lock:
+            if self._interrupted:
+                raise _Abandoned("deadline passed before the unit started")
+            self._connection = conn.connection.driver_connection
+
+    def detach(self) -> None:
+        with self._lock:
+            self._connection = None
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            if self._connection is not None:
+                self._connection.interrupt()
+
+
+def _sqlite_busy_ms(timeout_s: float) -> int:
+    return max(1, round(timeout_s * 1000))
 
 
 def _is_sqlite_memory(url: URL) -> bool:
@@ -257,7 +591,7 @@ def _ensure_sqlite_parent_dir(url: URL) -> None:
     Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
 
-def _sqlite_sync_engine(engine: AsyncEngine) -> Engine:
+def _sqlite_sync_engine(engine: AsyncEngine, *, busy_timeout_ms: int) -> Engine:
     """A pysqlite engine on the same file, for the single-hop run_read/run_write units."""
     sync_engine = create_engine(
         engine.url.set(drivername="sqlite+pysqlite"),
@@ -268,7 +602,7 @@ def _sqlite_sync_engine(engine: AsyncEngine) -> Engine:
         echo=engine.echo,
         pool_reset_on_return=None,
     )
-    _take_over_sqlite_transactions(sync_engine)
+    _take_over_sqlite_transactions(sync_engine, busy_timeout_ms=busy_timeout_ms)
     _reset_unless_committed(sync_engine)
     return sync_engine
 
@@ -290,7 +624,7 @@ def _reset_unless_committed(sync_engine: Engine) -> None:
         dbapi_connection.rollback()
 
 
-def _take_over_sqlite_transactions(sync_engine: Engine) -> None:
+def _take_over_sqlite_transactions(sync_engine: Engine, *, busy_timeout_ms: int) -> None:
     @event.listens_for(sync_engine, "connect")
     def _on_connect(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
         # Stop the sqlite3 driver from emitting BEGIN itself (its "legacy
@@ -298,7 +632,7 @@ def _take_over_sqlite_transactions(sync_engine: Engine) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            for pragma in _SQLITE_PRAGMAS:
+            for pragma in (*_SQLITE_PRAGMAS, f"PRAGMA busy_timeout={int(busy_timeout_ms)}"):
                 cursor.execute(pragma)
         finally:
             cursor.close()

@@ -24,7 +24,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, text
 from sqlalchemy.engine import URL, make_url
 
-from roomservice.store.database import Database
+from roomservice.store.database import DEFAULT_TIMEOUT_S, Database
 
 MIGRATIONS_DIR: Final = Path(__file__).resolve().parent / "migrations"
 _MYSQL_LOCK_NAME: Final = "roomservice.schema_migration"
@@ -67,7 +67,7 @@ async def upgrade(db: Database, revision: str = "head") -> UpgradeReport:
         after = MigrationContext.configure(connection).get_current_revision()
         return UpgradeReport(_applied_between(before, after), after)
 
-    async with db.write() as conn:
+    async with db.write(bounded=False) as conn:  # DDL and the lock wait may take long
         if db.dialect_name == "mysql":
             got = await conn.scalar(
                 text("SELECT GET_LOCK(:name, :timeout)"),
@@ -102,10 +102,16 @@ async def current_revision(db: Database) -> str | None:
 
 @asynccontextmanager
 async def opened_database(
-    url: str | URL, *, migrate: bool, pool_size: int = 20, max_overflow: int = 20, echo: bool = False
+    url: str | URL,
+    *,
+    migrate: bool,
+    pool_size: int = 20,
+    max_overflow: int = 20,
+    echo: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> AsyncIterator[Database]:
     """A :class:`Database` for the block, migrated to head first when ``migrate``; disposed after."""
-    db = Database.from_url(url, pool_size=pool_size, max_overflow=max_overflow, echo=echo)
+    db = Database.from_url(url, pool_size=pool_size, max_overflow=max_overflow, echo=echo, timeout_s=timeout_s)
     try:
         if migrate:
             await upgrade(db)

@@ -30,6 +30,13 @@ class StoreUnavailable(errors.Unavailable):
     """
 
 
+class StoreDeadlineExceeded(StoreUnavailable):
+    """A database call did not finish within its deadline (``database.timeout``).
+
+    Its connection was discarded, never pooled again; a write's outcome is unknown.
+    """
+
+
 class StoreInconsistent(errors.RoomServiceError):
     """Rows that recovery depends on disagree (room_meta vs snapshot + log): refuse to serve the room."""
 
