@@ -292,6 +292,28 @@ async def test_finish_by_a_stale_owner_after_a_takeover_changes_nothing(
     assert (await fetch(database, row_id))["status"] == "delivered"
 
 
+async def test_extend_moves_the_lease_of_rows_still_held_and_only_those(
+    database: Database, repo: SqlOutboxRepository
+) -> None:
+    ids = await insert(database, pending(), pending(), pending())
+    await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=10)
+    await repo.release(owner="w", row_ids=[ids[2]], now_ms=NOW)  # the third row is a rival's now
+    (taken,) = await repo.claim_due(owner="rival", now_ms=NOW, lock_ms=LOCK_MS, limit=10)
+    assert taken.id == ids[2]
+    later = NOW + 10_000
+
+    assert await repo.extend(owner="w", row_ids=ids, now_ms=later, lock_ms=LOCK_MS) == 2
+    for row_id in ids[:2]:
+        row = await fetch(database, row_id)
+        assert (row["status"], row["lock_owner"]) == ("delivering", "w")
+        assert row["lock_until_ms"] == row["due_at_ms"] == later + LOCK_MS
+    assert (await fetch(database, ids[2]))["lock_until_ms"] == NOW + LOCK_MS  # the rival's: untouched
+    # past the first lease the extended rows are still held; only the rival's expired row is claimable
+    expired = await repo.claim_due(owner="third", now_ms=NOW + LOCK_MS + 1, lock_ms=LOCK_MS, limit=10)
+    assert [r.id for r in expired] == [ids[2]]
+    assert await repo.extend(owner="w", row_ids=[], now_ms=later, lock_ms=LOCK_MS) == 0
+
+
 async def test_finish_delivered_sets_delivered_at_and_clears_the_lock(
     database: Database, repo: SqlOutboxRepository
 ) -> None:
@@ -314,6 +336,7 @@ async def test_finish_delivered_sets_delivered_at_and_clears_the_lock(
         row = await fetch(database, row_id)
         assert row["status"] == "delivered"
         assert row["delivered_at_ms"] == row["updated_at_ms"] == done
+        assert row["due_at_ms"] == done  # not the claim's lock any more: when it finished
         assert row["targets_done"] == targets
         assert row["lock_owner"] is None and row["lock_until_ms"] is None and row["last_error"] is None
     assert await repo.claim_due(owner="w2", now_ms=done + 10 * LOCK_MS, lock_ms=LOCK_MS, limit=10) == []

@@ -15,12 +15,14 @@ from tests.service.conftest import T0, Clock
 from roomservice.domain import events as e
 from roomservice.outbox.model import BROKER, PublishMode
 from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.repository import OutboxRepository
 from roomservice.outbox.sql import SqlOutboxRepository
-from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.outbox.worker import OutboxWorker, WorkerNotReady, WorkerOptions
 from roomservice.publishers.fake import FakePublisher
 from roomservice.publishers.port import PublisherSet
 from roomservice.store import tables as t
 from roomservice.store.database import Database
+from roomservice.store.port import StoreUnavailable
 from roomservice.wire import encode_event
 
 INITIAL, CAP = 1_000, 8_000
@@ -78,15 +80,22 @@ WorkerFactory = Callable[..., OutboxWorker]
 def make_worker(
     database: Database, clock: Clock, im: FakePublisher, activity: FakePublisher, broker: FakePublisher
 ) -> WorkerFactory:
-    def factory(mode: PublishMode = PublishMode.DIRECT, *, max_retry_count: int = 10, **options: float) -> OutboxWorker:
+    def factory(
+        mode: PublishMode = PublishMode.DIRECT,
+        *,
+        max_retry_count: int = 10,
+        repository: OutboxRepository | None = None,
+        clock_fn: Callable[[], int] | None = None,
+        **options: float,
+    ) -> OutboxWorker:
         return OutboxWorker(
-            repository=SqlOutboxRepository(database),
+            repository=repository or SqlOutboxRepository(database),
             publishers=PublisherSet({"im": im, "activity": activity, BROKER: broker}),
             policy=RetryPolicy(
                 initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=max_retry_count, jitter=0
             ),
             options=WorkerOptions(mode=mode, **options),  # type: ignore[arg-type]
-            clock=clock,
+            clock=clock_fn or clock,
         )
 
     return factory
@@ -337,3 +346,157 @@ async def test_shutdown_releases_every_claim_of_the_owner(database: Database, ma
     await worker.shutdown()
     r = await row(database, ev.event_id)
     assert (r.status, r.lock_owner) == ("pending", None)
+
+
+# --------------------------------------------------------------------------- the lease and a failing database
+
+
+def test_the_configured_lock_timeout_is_the_lease_whatever_the_batch() -> None:
+    """Not raised to cover a worst-case batch (it was ~50 s for the seed's 30 s): a long batch
+    extends its claims instead."""
+    options = WorkerOptions(mode=PublishMode.DIRECT, batch_size=100, publish_timeout_s=3, lock_timeout_s=30)
+    assert options.lock_ms == 30_000
+    assert options.extend_every_s == 10
+
+
+async def test_a_dead_workers_rows_come_back_after_lock_timeout(
+    database: Database, make_worker: WorkerFactory, clock: Clock
+) -> None:
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    dead, alive = make_worker(), make_worker()
+    repo = SqlOutboxRepository(database)
+    # the dead worker claimed with its configured lease and was never heard of again
+    [claimed] = await repo.claim_due(owner=dead.owner, now_ms=clock.now_ms, lock_ms=dead.options.lock_ms, limit=10)
+    assert claimed.lock_until_ms == clock.now_ms + 30_000
+    clock.advance(30_000 - 1)
+    assert await alive.run_once() == 0
+    clock.advance(2)
+    assert await alive.run_once() == 1
+    assert (await row(database, ev.event_id)).status == "delivered"
+
+
+async def test_a_live_worker_extends_its_claims_while_a_long_batch_runs(
+    database: Database, make_worker: WorkerFactory, im: FakePublisher
+) -> None:
+    """The publish outlasts the lease many times over; the rows stay the worker's (nobody else
+    can claim them) and its finish changes every one of them."""
+
+    def wall_clock() -> int:
+        return int(time.time() * 1000)
+
+    ev = make_event(JOINED, at=wall_clock())
+    await insert_rows(database, ev, now=wall_clock())
+    lease_s = 0.3
+    slow = make_worker(clock_fn=wall_clock, lock_timeout_s=lease_s, publish_timeout_s=60)
+    rival = make_worker(clock_fn=wall_clock, lock_timeout_s=lease_s)
+    publishing, release = asyncio.Event(), asyncio.Event()
+    original = im.publish
+
+    async def held(event: e.Event, *, payload: bytes, deadline: float) -> None:
+        publishing.set()
+        await release.wait()
+        await original(event, payload=payload, deadline=deadline)
+
+    im.publish = held  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        batch = asyncio.create_task(slow.run_once())
+        async with asyncio.timeout(10):
+            await publishing.wait()
+            while slow.claims_extended < 4:  # more than a lease has passed since the claim
+                assert await rival.run_once() == 0
+                await asyncio.sleep(lease_s / 6)
+        release.set()
+        assert await batch == 1
+    assert [entry for entry in logs if entry["event"] == "outbox_claims_lost"] == []
+    assert im.delivered == [ev.event_id]
+    assert (await row(database, ev.event_id)).status == "delivered"
+
+
+class FlakyRepository:
+    """The real repository, with the database failing chosen calls."""
+
+    def __init__(self, inner: SqlOutboxRepository) -> None:
+        self.inner = inner
+        self.fail_finish = 0
+        self.claim_then_fail = 0  # the claim commits, its answer is lost (a deadline on COMMIT's reply)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def claim_due(self, **kwargs: object) -> list[object]:
+        rows = await self.inner.claim_due(**kwargs)  # type: ignore[arg-type]
+        if self.claim_then_fail:
+            self.claim_then_fail -= 1
+            raise StoreUnavailable("database call exceeded its deadline")
+        return rows  # type: ignore[return-value]
+
+    async def finish(self, **kwargs: object) -> int:
+        if self.fail_finish:
+            self.fail_finish -= 1
+            raise StoreUnavailable("database call exceeded its deadline")
+        return await self.inner.finish(**kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_finish_that_failed_is_written_next_cycle_without_publishing_again(
+    database: Database, make_worker: WorkerFactory, im: FakePublisher
+) -> None:
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    flaky = FlakyRepository(SqlOutboxRepository(database))
+    flaky.fail_finish = 1
+    worker = make_worker(repository=flaky)
+    with pytest.raises(StoreUnavailable):
+        await worker.run_once()
+    assert (await row(database, ev.event_id)).status == "delivering"
+    assert await worker.run_once() == 0  # the kept decision is written first; nothing left to claim
+    r = await row(database, ev.event_id)
+    assert (r.status, r.lock_owner) == ("delivered", None)
+    assert im.calls == [ev.event_id]  # published once
+
+
+async def test_claims_of_a_cycle_that_failed_are_handed_back_not_left_for_the_lease(
+    database: Database, make_worker: WorkerFactory, im: FakePublisher
+) -> None:
+    """The claim committed but its answer was lost: the rows are this live worker's without it
+    knowing. Its next cycle hands them back and takes them again, instead of their waiting out
+    the 30 s lease (the test clock never moves)."""
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    flaky = FlakyRepository(SqlOutboxRepository(database))
+    flaky.claim_then_fail = 1
+    worker = make_worker(repository=flaky)
+    with pytest.raises(StoreUnavailable):
+        await worker.run_once()
+    assert (await row(database, ev.event_id)).lock_owner == worker.owner
+    assert await worker.run_once() == 1
+    assert (await row(database, ev.event_id)).status == "delivered"
+    assert im.delivered == [ev.event_id]
+
+
+async def test_readiness_fails_while_cycles_fail_or_the_loop_is_stuck_and_recovers(
+    database: Database, make_worker: WorkerFactory
+) -> None:
+    flaky = FlakyRepository(SqlOutboxRepository(database))
+    worker = make_worker(repository=flaky, poll_interval_s=0.01)
+    with pytest.raises(WorkerNotReady, match="not running"):
+        await worker.check()
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    flaky.fail_finish = 10**6  # the database keeps failing
+    async with worker:
+        async with asyncio.timeout(10):
+            while worker._failing is None:
+                await asyncio.sleep(0.01)
+        with pytest.raises(WorkerNotReady, match="cycles failing"):
+            await worker.check()
+        flaky.fail_finish = 0  # it answers again
+        async with asyncio.timeout(10):
+            while (await row(database, ev.event_id)).status != "delivered":
+                await asyncio.sleep(0.01)
+            while worker._failing is not None:
+                await asyncio.sleep(0.01)
+        await worker.check()
+        worker._last_beat -= worker.options.stale_after_s + 1  # as if a step had hung
+        with pytest.raises(WorkerNotReady, match="stuck"):
+            await worker.check()

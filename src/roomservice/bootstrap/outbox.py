@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from roomservice.bootstrap.core import Core, alive_check, ms
+from roomservice.bootstrap.core import Core, ms
 from roomservice.bootstrap.direct import DirectTargets, build_direct_targets
 from roomservice.brokers.port import Broker
 from roomservice.outbox.model import BROKER, TREASURE_WAKEUP, PublishMode
@@ -65,6 +65,7 @@ async def build_outbox_worker(
             publish_timeout_s=outbox.publish_timeout.total_seconds(),
             lock_timeout_s=outbox.lock_timeout.total_seconds(),
             publish_concurrency=outbox.publish_concurrency,
+            database_timeout_s=core.settings.database.timeout.total_seconds(),
         ),
         clock=core.clock,
         owner=owner,
@@ -74,4 +75,4 @@ async def build_outbox_worker(
 
 def start_outbox_worker(core: Core, worker: OutboxWorker) -> None:
     core.track(worker.start())
-    core.health.register("outbox_worker", alive_check("outbox worker", lambda: worker.alive))
+    core.health.register("outbox_worker", worker.check)  # stopped, stuck or failing: not ready

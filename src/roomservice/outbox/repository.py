@@ -44,7 +44,14 @@ class OutboxRepository(Protocol):
         ...
 
     async def finish(self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]) -> int:
-        """Finish rows in one transaction, each write guarded by the claim. Returns rows changed."""
+        """Finish rows in one transaction, each write guarded by the claim. Returns rows changed.
+
+        A finished row's ``due_at_ms`` (the claim key) becomes the time it finished."""
+        ...
+
+    async def extend(self, *, owner: str, row_ids: list[int], now_ms: int, lock_ms: int) -> int:
+        """Extend the claims ``owner`` still holds among ``row_ids`` to ``now_ms + lock_ms``
+        (a batch that runs long keeps its rows). Returns how many it still held."""
         ...
 
     async def release(self, *, owner: str, row_ids: list[int] | None, now_ms: int) -> int:

@@ -6,7 +6,8 @@ are built once, at import.
 
 Claiming (SPEC §4, §10). ``due_at_ms`` is the claim key of every claimable
 status, indexed with ``status``: ``retryable`` -> ``next_retry_at_ms``,
-``delivering`` -> ``lock_until_ms``, ``pending`` -> ``created_at_ms``. A
+``delivering`` -> ``lock_until_ms``, ``pending`` -> ``created_at_ms``; a finished
+(``delivered`` or ``failed``) row keeps the time it finished there. A
 pending row is claimable whatever its ``due_at_ms`` (it only orders them,
 oldest first): a worker whose clock lags the writer's must not leave fresh
 rows behind. Pending rows go first, then due retryable rows, then delivering
@@ -159,6 +160,7 @@ _FINISH_DELIVERED: Final = (
     .values(
         status=_DELIVERED,
         delivered_at_ms=bindparam("b_now"),
+        due_at_ms=bindparam("b_now"),  # not the claim's lock any more: when it finished
         targets_done=bindparam("b_targets"),
         lock_owner=null(),
         lock_until_ms=null(),
@@ -182,6 +184,12 @@ _FINISH_RETRY: Final = (
         lock_until_ms=null(),
         updated_at_ms=bindparam("b_now"),
     )
+)
+# A batch that runs long keeps its rows: the lease moves on for every row still ours.
+_EXTEND: Final = (
+    update(_o)
+    .where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS)
+    .values(lock_until_ms=bindparam("b_until"), due_at_ms=bindparam("b_until"), updated_at_ms=bindparam("b_now"))
 )
 _NEVER_TRIED = _c.retry_count == 0
 _RELEASE_VALUES: Final = {
@@ -307,6 +315,14 @@ class SqlOutboxRepository:
             for r in retries
         ]
         return await self.db.run_write(_finish, delivered_params, retry_params)
+
+    async def extend(self, *, owner: str, row_ids: list[int], now_ms: int, lock_ms: int) -> int:
+        if not row_ids:
+            return 0
+        if lock_ms < 1:
+            raise ValueError("lock_ms must be at least 1")
+        params = {"b_owner": owner, "b_now": now_ms, "b_until": now_ms + lock_ms, "b_ids": list(row_ids)}
+        return await self.db.run_write(_rowcount, _EXTEND, params)
 
     async def release(self, *, owner: str, row_ids: list[int] | None, now_ms: int) -> int:
         if row_ids is None:

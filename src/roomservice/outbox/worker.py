@@ -9,19 +9,31 @@ No transaction is open while publishing. A commit wakes the worker at once
 processes. A wake-up that arrives mid-batch makes the worker loop again instead
 of sleeping. ``shutdown()`` stops after the current publishes are cancelled and
 hands the unfinished claims back.
+
+The claim lease is ``lock_timeout`` as configured. A batch that runs longer keeps
+its rows: every ``lock_timeout / 3`` the worker extends the claims it still holds
+(a guarded UPDATE), so a live worker never loses rows mid-batch while a dead
+worker's rows come back ``lock_timeout`` after its last extension.
+
+The database may fail any step (every call has a deadline, see
+:mod:`roomservice.store.database`); the loop survives it. A finish that failed is
+retried, with the same decisions, before the next claim; a cycle that failed after
+its claim may have committed hands this owner's claims back first, so no row waits
+out its lease behind a worker that is alive. :meth:`OutboxWorker.check` (readiness)
+fails while cycles fail or when the loop has not moved for ``stale_after_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from roomservice import errors
 from roomservice.domain.events import Event
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import (
@@ -48,19 +60,46 @@ class WorkerOptions:
     publish_timeout_s: float = 3.0
     lock_timeout_s: float = 30.0
     publish_concurrency: int = 16
+    database_timeout_s: float = 5.0  # the deadline of one database call (database.timeout)
 
     @property
     def lock_ms(self) -> int:
-        """The claim lease: long enough for the whole batch, queued behind the concurrency limit
-        (or, at worst, one room's rows one after another)."""
-        # a lane's rows also queue on the shared concurrency limit: the worst case adds up
-        rounds = math.ceil(self.batch_size / self.publish_concurrency) + MAX_ROOM_LANE
-        needed = rounds * self.publish_timeout_s + 5.0
-        return int(max(self.lock_timeout_s, needed) * 1000)
+        """The claim lease, exactly as configured (extended while a batch runs)."""
+        return max(1, int(self.lock_timeout_s * 1000))
+
+    @property
+    def extend_every_s(self) -> float:
+        """How often a running batch extends its claims: three tries per lease."""
+        return self.lock_timeout_s / 3
+
+    @property
+    def stale_after_s(self) -> float:
+        """No sign of progress for this long and the loop counts as stuck. Every step
+        beats: a database call ends within its deadline, a publish within
+        publish_timeout, an idle wait within poll_interval, an extension every
+        lock_timeout / 3; three of the longest of those is stuck."""
+        return 3 * max(self.database_timeout_s, self.publish_timeout_s, self.poll_interval_s, self.extend_every_s)
 
 
 FULL_CLAIM_EVERY_S = 0.25
-MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another before the lease must hold
+MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another; the rest wait their turn
+
+
+class WorkerNotReady(errors.Unavailable):
+    """The readiness check's answer: the worker is stopped, stuck, or its cycles fail."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Finish:
+    """A batch's decisions, kept until their finishing write commits."""
+
+    now_ms: int
+    delivered: list[Delivered]
+    retries: list[RetryDecision]
+
+    @property
+    def rows(self) -> int:
+        return len(self.delivered) + len(self.retries)
 
 
 def new_owner() -> str:
@@ -91,6 +130,11 @@ class OutboxWorker:
         self._running: asyncio.Task[None] | None = None
         self._last_full_claim = float("-inf")
         self.batches = 0
+        self.claims_extended = 0
+        self._last_beat = time.monotonic()
+        self._failing: str | None = None  # why the last cycle failed; None when it did not
+        self._unfinished: _Finish | None = None  # a finish whose write failed: retried first
+        self._may_hold_claims = False  # a cycle failed after a claim may have committed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,6 +158,19 @@ class OutboxWorker:
     def alive(self) -> bool:
         return self._running is not None and not self._running.done()
 
+    def _beat(self) -> None:
+        self._last_beat = time.monotonic()
+
+    async def check(self) -> None:
+        """Readiness: raise :class:`WorkerNotReady` unless the loop runs, moves and its cycles succeed."""
+        if not self.alive:
+            raise WorkerNotReady("outbox worker is not running")
+        quiet = time.monotonic() - self._last_beat
+        if quiet > self.options.stale_after_s:
+            raise WorkerNotReady(f"outbox worker loop stuck: no progress for {quiet:.1f}s")
+        if self._failing is not None:
+            raise WorkerNotReady(f"outbox worker cycles failing: {self._failing}")
+
     async def run(self) -> None:
         _log.info("outbox_worker_started", owner=self.owner, mode=self.options.mode.value)
         while not self._stopping:
@@ -122,13 +179,18 @@ class OutboxWorker:
             # Under load wake-ups come in bursts: due retryable and expired rows are still
             # looked for at least every FULL_CLAIM_EVERY_S, far below any backoff.
             recent_full = time.monotonic() - self._last_full_claim < FULL_CLAIM_EVERY_S
+            self._beat()
             try:
                 taken = await self.run_once(pending_only=woken and recent_full)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database blinked: back off one poll interval
                 _log.warning("outbox_worker_cycle_failed", owner=self.owner, error=repr(exc))
+                self._failing = repr(exc)[:200]
                 taken = 0
+            else:
+                self._failing = None
+            self._beat()
             if self._stopping:
                 break
             if taken >= self.options.batch_size or self._wakeup.is_set():
@@ -149,6 +211,12 @@ class OutboxWorker:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._unfinished is not None:  # delivered rows must not be handed back for a second delivery
+            self._may_hold_claims = False
+            try:
+                await self._settle()
+            except Exception as exc:
+                _log.warning("outbox_finish_not_written", owner=self.owner, error=repr(exc))
         # by owner, not by the ids we know: a claim can commit as the cancel lands
         released = await self.repository.release(owner=self.owner, row_ids=None, now_ms=self.clock())
         if released:
@@ -162,8 +230,10 @@ class OutboxWorker:
         ``pending_only`` (a hint to the repository) skips looking for due retryable
         and expired rows: for cycles started by a commit's wake-up.
         """
+        await self._settle()
         if not pending_only:
             self._last_full_claim = time.monotonic()
+        self._may_hold_claims = True  # until this cycle's claims are finished (or none were taken)
         rows = await self.repository.claim_due(
             owner=self.owner,
             now_ms=self.clock(),
@@ -171,8 +241,10 @@ class OutboxWorker:
             limit=self.options.batch_size,
             pending_only=pending_only,
         )
+        self._beat()
         OUTBOX_CLAIM_BATCH.observe(len(rows))
         if not rows:
+            self._may_hold_claims = False
             return 0
         self.batches += 1
         # Rooms in parallel, each room's rows in version order: an IM group is created
@@ -194,9 +266,57 @@ class OutboxWorker:
                     outcomes.append(await self.deliver(row))
             return outcomes
 
-        per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
+        held = [row.id for room_rows in lanes.values() for row in room_rows]
+        keeper = asyncio.create_task(self._keep_claims(held), name=f"outbox-claims-{self.owner}")
+        try:
+            per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+        # every claimed row is now deferred or decided: a failed finish is retried as it is
+        self._may_hold_claims = False
         await self._finish([outcome for outcomes in per_room for outcome in outcomes])
         return len(rows)
+
+    async def _finish(self, outcomes: list[Outcome]) -> None:
+        """Decide how each row ends and write it; a write that fails is retried next cycle."""
+        self._unfinished = self._decide(outcomes)
+        await self._settle()
+
+    async def _settle(self) -> None:
+        """Write a finish that failed earlier, then hand back claims a failed cycle may have left."""
+        pending = self._unfinished
+        if pending is not None:
+            changed = await self.repository.finish(
+                owner=self.owner, now_ms=pending.now_ms, delivered=pending.delivered, retries=pending.retries
+            )
+            self._unfinished = None
+            self._beat()
+            if changed < pending.rows:
+                # our claim expired and another worker took rows over: its finish wins
+                _log.warning("outbox_claims_lost", owner=self.owner, expected=pending.rows, changed=changed)
+        if self._may_hold_claims:
+            released = await self.repository.release(owner=self.owner, row_ids=None, now_ms=self.clock())
+            self._may_hold_claims = False
+            self._beat()
+            if released:
+                _log.info("outbox_claims_released", owner=self.owner, rows=released, reason="failed_cycle")
+
+    async def _keep_claims(self, row_ids: list[int]) -> None:
+        """Extend this batch's claims every ``lock_timeout / 3`` until cancelled."""
+        while True:
+            await asyncio.sleep(self.options.extend_every_s)
+            try:
+                kept = await self.repository.extend(
+                    owner=self.owner, row_ids=row_ids, now_ms=self.clock(), lock_ms=self.options.lock_ms
+                )
+            except Exception as exc:  # the next try may land; the finish is guarded anyway
+                _log.warning("outbox_claims_not_extended", owner=self.owner, rows=len(row_ids), error=repr(exc))
+                continue
+            self.claims_extended += 1
+            self._beat()
+            if kept < len(row_ids):
+                _log.warning("outbox_claims_lost", owner=self.owner, expected=len(row_ids), changed=kept)
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
         """Publish ``row`` to every target it still needs; never raises."""
@@ -240,11 +360,13 @@ class OutboxWorker:
             outcome, result = "retryable", (False, repr(exc))
         else:
             outcome, result = "ok", None  # type: ignore[assignment]
+        self._beat()
         OUTBOX_DELIVERIES.labels(target, outcome).inc()
         OUTBOX_PUBLISH_SECONDS.labels(target).observe(time.perf_counter() - started)
         return result
 
-    async def _finish(self, outcomes: list[Outcome]) -> None:
+    def _decide(self, outcomes: list[Outcome]) -> _Finish:
+        """How each row ends (logged and counted once, however often the write is retried)."""
         now = self.clock()
         delivered: list[Delivered] = []
         retries: list[RetryDecision] = []
@@ -273,12 +395,7 @@ class OutboxWorker:
                 targets_done=targets,
                 error=outcome.error,
             )
-        changed = await self.repository.finish(owner=self.owner, now_ms=now, delivered=delivered, retries=retries)
         OUTBOX_ROWS_FINISHED.labels("delivered").inc(len(delivered))
         OUTBOX_ROWS_FINISHED.labels("failed").inc(sum(1 for r in retries if r.failed))
         OUTBOX_ROWS_FINISHED.labels("retryable").inc(sum(1 for r in retries if not r.failed))
-        if changed < len(delivered) + len(retries):
-            # our claim expired and another worker took rows over: its finish wins
-            _log.warning(
-                "outbox_claims_lost", owner=self.owner, expected=len(delivered) + len(retries), changed=changed
-            )
+        return _Finish(now, delivered, retries)
