@@ -455,6 +455,24 @@ class MetricsConfig(_Block):
     enabled: bool = True
 
 
+class ActivityConsumerConfig(_Block):
+    enabled: bool = False  # in production the activity service owns this group
+    group: MQName = "hyapp-activity-room-outbox"
+
+
+class NoticeConsumerConfig(_Block):
+    enabled: bool = False  # in production the notice service owns this group
+    group: MQName = "hyapp-notice-room-outbox"
+
+
+class ConsumersConfig(_Block):
+    """Our reference consumers of the room_outbox topic (the IM bridge's switch is the seed's
+    ``rocketmq.room_outbox.tencent_im_consumer_enabled``; treasure-open's is ``rocketmq.treasure_open.enabled``)."""
+
+    activity: ActivityConsumerConfig = ActivityConsumerConfig()
+    notice: NoticeConsumerConfig = NoticeConsumerConfig()
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -477,6 +495,7 @@ class Settings(_Block):
     activity: ActivityConfig = ActivityConfig()
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    consumers: ConsumersConfig = ConsumersConfig()
     _data_dir: Path | None = PrivateAttr(default=None)  # set by with_data_dir, never read from a file
 
     @property
@@ -622,12 +641,15 @@ def setting_keys(model: type[BaseModel] = Settings, prefix: str = "") -> Iterato
 # --------------------------------------------------------------------------- inactive keys
 
 
-def _broker_in_use(s: Settings) -> bool:
-    rocketmq = s.rocketmq
+def _consumes_room_outbox(s: Settings) -> bool:
     return (
-        s.outbox_worker.publish_mode in ("mq", "dual")
-        or rocketmq.treasure_open.enabled
-        or rocketmq.room_outbox.tencent_im_consumer_enabled
+        s.rocketmq.room_outbox.tencent_im_consumer_enabled or s.consumers.activity.enabled or s.consumers.notice.enabled
+    )
+
+
+def _broker_in_use(s: Settings) -> bool:
+    return (
+        s.outbox_worker.publish_mode in ("mq", "dual") or s.rocketmq.treasure_open.enabled or _consumes_room_outbox(s)
     )
 
 
@@ -681,13 +703,24 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
     ),
     InactiveRule(
         ("rocketmq.room_outbox.topic",),
-        lambda s: not _publishes_outbox_to_broker(s) and not s.rocketmq.room_outbox.tencent_im_consumer_enabled,
+        lambda s: not _publishes_outbox_to_broker(s) and not _consumes_room_outbox(s),
         "nothing publishes to or consumes the room_outbox topic (publish_mode is direct, no consumer is enabled)",
     ),
     InactiveRule(
-        ("rocketmq.room_outbox.tencent_im_consumer_group", "rocketmq.room_outbox.consumer_max_reconsume_times"),
+        ("rocketmq.room_outbox.tencent_im_consumer_group",),
         lambda s: not s.rocketmq.room_outbox.tencent_im_consumer_enabled,
-        "no room_outbox consumer runs (rocketmq.room_outbox.tencent_im_consumer_enabled is false)",
+        "the IM bridge does not run (rocketmq.room_outbox.tencent_im_consumer_enabled is false)",
+    ),
+    InactiveRule(
+        ("rocketmq.room_outbox.consumer_max_reconsume_times",),
+        lambda s: not _consumes_room_outbox(s),
+        "no room_outbox consumer runs (the IM bridge, consumers.activity and consumers.notice are off)",
+    ),
+    InactiveRule(
+        ("consumers.activity.group",), lambda s: not s.consumers.activity.enabled, "consumers.activity.enabled is false"
+    ),
+    InactiveRule(
+        ("consumers.notice.group",), lambda s: not s.consumers.notice.enabled, "consumers.notice.enabled is false"
     ),
     InactiveRule(
         ("rocketmq.treasure_open.*",),
