@@ -299,6 +299,9 @@ class DatabaseConfig(_UrlWithPassword):
 class RedisConfig(_UrlWithPassword):
     url: str = "redis://127.0.0.1:6379/0"
     password: SecretStr = SecretStr("")
+    # every key this service writes starts with it (projections); processes sharing one
+    # deployment use the same prefix, two deployments on one Redis different ones
+    key_prefix: str = Field(default="roomservice:", pattern=r"^[A-Za-z0-9_.:-]{0,64}$")
 
     @field_validator("url")
     @classmethod
