@@ -228,21 +228,101 @@ async def test_destroy_group(http: httpx.AsyncClient) -> None:
     assert (await group_call(http, "create_group", again))["ErrorCode"] == 0
 
 
+C2C_BODY: dict[str, Any] = {
+    "SyncOtherMachine": 2,
+    "From_Account": "system",
+    "To_Account": "bob",
+    "MsgSeq": 77,
+    "MsgRandom": 9,
+    "MsgBody": [{"MsgType": "TIMCustomElem", "MsgContent": {"Data": "kicked", "Desc": "", "Ext": ""}}],
+}
+
+
+async def c2c_to(http: httpx.AsyncClient, to: str) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = (await http.get("/_sandbox/c2c", params={"to": to})).json()["messages"]
+    return messages
+
+
 async def test_c2c_messages(http: httpx.AsyncClient) -> None:
     await imports(http, "bob", "system")
-    body = {
-        "From_Account": "system",
-        "To_Account": "bob",
-        "MsgRandom": 9,
-        "MsgBody": [{"MsgType": "TIMCustomElem", "MsgContent": {"Data": "kicked"}}],
-    }
+    first = await rest(http, "openim", "sendmsg", C2C_BODY)
+    assert first["ErrorCode"] == 0 and first["MsgKey"] and first["MsgTime"] > 0
+    again = await rest(http, "openim", "sendmsg", C2C_BODY)
+    assert (again["MsgKey"], again["MsgTime"]) == (first["MsgKey"], first["MsgTime"])  # duplicate absorbed
+    listed = await c2c_to(http, "bob")
+    assert [(m["from_account"], m["to_account"], m["msg_seq"], m["msg_random"], m["data"]) for m in listed] == [
+        ("system", "bob", 77, 9, "kicked")
+    ]
+    assert await c2c_to(http, "nobody") == []
+    assert (await http.get("/_sandbox/state")).json()["c2c_duplicates_absorbed"] == 1
+
+
+async def test_c2c_accounts_must_be_imported(http: httpx.AsyncClient) -> None:
+    await imports(http, "bob")
+    assert (await rest(http, "openim", "sendmsg", {**C2C_BODY, "To_Account": "ghost"}))["ErrorCode"] == 20003
+    assert (await rest(http, "openim", "sendmsg", C2C_BODY))["ErrorCode"] == 20003  # the sender "system" is unknown
+    without_sender = {k: v for k, v in C2C_BODY.items() if k != "From_Account"}
+    assert (await rest(http, "openim", "sendmsg", without_sender))["ErrorCode"] == 0  # the admin sends
+    assert [m["from_account"] for m in await c2c_to(http, "bob")] == [ADMIN]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"MsgSeq": 78}, id="msg-seq"),
+        pytest.param({"MsgRandom": 10}, id="msg-random"),
+        pytest.param({"MsgBody": [{"MsgType": "TIMTextElem", "MsgContent": {"Text": "kicked"}}]}, id="body"),
+        pytest.param({"From_Account": "other"}, id="sender"),
+    ],
+)
+async def test_a_c2c_message_differing_in_any_part_of_the_key_is_a_new_message(
+    http: httpx.AsyncClient, change: dict[str, Any]
+) -> None:
+    await imports(http, "bob", "system", "other")
+    first = await rest(http, "openim", "sendmsg", C2C_BODY)
+    second = await rest(http, "openim", "sendmsg", {**C2C_BODY, **change})
+    assert second["ErrorCode"] == 0 and second["MsgKey"] != first["MsgKey"]
+    assert len(await c2c_to(http, "bob")) == 2
+
+
+async def test_a_c2c_message_without_msg_seq_is_never_a_duplicate(http: httpx.AsyncClient) -> None:
+    await imports(http, "bob", "system")
+    body = {k: v for k, v in C2C_BODY.items() if k != "MsgSeq"}
     first = await rest(http, "openim", "sendmsg", body)
-    assert first["ErrorCode"] == 0 and first["MsgKey"]
-    assert (await rest(http, "openim", "sendmsg", body))["MsgKey"] == first["MsgKey"]  # duplicate absorbed
-    assert (await rest(http, "openim", "sendmsg", {**body, "To_Account": "ghost"}))["ErrorCode"] == 20003
-    listed = (await http.get("/_sandbox/c2c", params={"to": "bob"})).json()["messages"]
-    assert [(m["from_account"], m["to_account"], m["data"]) for m in listed] == [("system", "bob", "kicked")]
-    assert (await http.get("/_sandbox/c2c", params={"to": "nobody"})).json()["messages"] == []
+    second = await rest(http, "openim", "sendmsg", body)
+    assert first["MsgKey"] != second["MsgKey"]
+    listed = await c2c_to(http, "bob")
+    assert len(listed) == 2 and listed[0]["msg_seq"] != listed[1]["msg_seq"]
+
+
+async def test_the_c2c_duplicate_window_is_120_seconds(http: httpx.AsyncClient) -> None:
+    await imports(http, "bob", "system")
+    first = await rest(http, "openim", "sendmsg", C2C_BODY)
+    await http.post("/_sandbox/clock", json={"advance_s": 119})
+    assert (await rest(http, "openim", "sendmsg", C2C_BODY))["MsgKey"] == first["MsgKey"]
+    await http.post("/_sandbox/clock", json={"advance_s": 2})  # 121 s after the first send
+    late = await rest(http, "openim", "sendmsg", C2C_BODY)
+    assert late["ErrorCode"] == 0 and late["MsgKey"] != first["MsgKey"]
+    assert len(await c2c_to(http, "bob")) == 2
+
+
+async def test_c2c_under_an_outage_and_an_injected_error_stores_nothing(http: httpx.AsyncClient) -> None:
+    await imports(http, "bob", "system")
+    await http.post("/_sandbox/outage", json={"mode": "http_503"})
+    response = await http.post(
+        "/v4/openim/sendmsg",
+        params={"sdkappid": str(APP), "identifier": ADMIN, "usersig": sig_for(), "contenttype": "json"},
+        json=C2C_BODY,
+    )
+    assert response.status_code == 503
+    await http.delete("/_sandbox/outage")
+    await http.post("/_sandbox/errors", json={"command": "sendmsg", "service": "openim", "code": 90994, "count": 1})
+    assert (await rest(http, "openim", "sendmsg", C2C_BODY))["ErrorCode"] == 90994
+    assert await c2c_to(http, "bob") == []
+    assert (await rest(http, "openim", "sendmsg", C2C_BODY))["ErrorCode"] == 0
+    assert len(await c2c_to(http, "bob")) == 1
+    entries = (await http.get("/_sandbox/requests", params={"command": "sendmsg"})).json()["entries"]
+    assert [(r["http_status"], r["error_code"]) for r in entries] == [(503, 0), (200, 90994), (200, 0)]
 
 
 # --------------------------------------------------------------------------- control API

@@ -133,6 +133,28 @@ async def test_state_survives_a_stop_and_start_on_the_same_dir(tmp_path: Path) -
         assert owned.value.code == 10025
 
 
+async def test_c2c_messages_and_their_duplicate_window_survive_a_restart(tmp_path: Path) -> None:
+    async with sandbox_on(tmp_path) as (sandbox, im):
+        await im.multiaccount_import(["kicked", "system"])
+        first = await im.send_c2c_msg("kicked", "notice", random=5, msg_seq=6, from_account="system")
+    async with sandbox_on(tmp_path) as (sandbox, im):
+        # a retry after the restart, inside the 120 s window: still absorbed, still one message
+        again = await im.send_c2c_msg("kicked", "notice", random=5, msg_seq=6, from_account="system")
+        assert again == first
+        [message] = (await control(sandbox.base_url, "c2c?to=kicked"))["messages"]
+        assert (message["from_account"], message["msg_seq"], message["msg_random"], message["data"]) == (
+            "system",
+            6,
+            5,
+            "notice",
+        )
+        other = await im.send_c2c_msg("kicked", "notice", random=5, from_account="system")  # no MsgSeq: new
+        assert other.msg_key != first.msg_key
+    async with sandbox_on(tmp_path) as (sandbox, _im):
+        messages = (await control(sandbox.base_url, "c2c?to=kicked"))["messages"]
+        assert [m["msg_key"] for m in messages] == [first.msg_key, other.msg_key]  # replayed as answered
+
+
 async def test_without_a_state_dir_a_restart_forgets(tmp_path: Path) -> None:
     async with sandbox_on(None) as (sandbox, im):
         await im.account_import("alice")

@@ -240,12 +240,16 @@ async def test_create_group_owner_must_be_imported(client: TencentImClient) -> N
 
 async def test_c2c_message(client: TencentImClient, sandbox: RunningSandbox) -> None:
     await client.multiaccount_import(["bob", "system"])
-    result = await client.send_c2c_msg("bob", '{"notice":"kicked"}', random=random_for("k1"), from_account="system")
+    data, random, seq = '{"notice":"kicked"}', random_for("k1"), random_for("seq:k1")
+    result = await client.send_c2c_msg("bob", data, random=random, msg_seq=seq, from_account="system")
     assert result.msg_key and result.msg_time > 0
-    again = await client.send_c2c_msg("bob", '{"notice":"kicked"}', random=random_for("k1"), from_account="system")
+    again = await client.send_c2c_msg("bob", data, random=random, msg_seq=seq, from_account="system")
     assert again == result  # Tencent's one-to-one duplicate window (120 s)
     [message] = sandbox.state.c2c_messages("bob")
-    assert message.from_account == "system" and message.data == '{"notice":"kicked"}'
+    assert message.from_account == "system" and message.data == data
+    assert (message.msg_seq, message.msg_random) == (seq, random)
+    with pytest.raises(ValueError, match="msg_seq"):
+        await client.send_c2c_msg("bob", data, random=random, msg_seq=-1)
     with pytest.raises(ImPermanentError) as err:
         await client.send_c2c_msg("ghost", "{}", random=1)
     assert err.value.code == 20003

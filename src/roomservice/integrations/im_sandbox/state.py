@@ -22,7 +22,11 @@ semantics where they matter to us:
   within 5 minutes is a duplicate: answered like the original (same MsgSeq), stored once;
   a muted sender gets 10017;
 * ``openim/sendmsg``: duplicates are (sender, MsgSeq, MsgRandom, CRC32 of the body) within
-  120 seconds, as Tencent documents for one-to-one messages;
+  120 seconds, as Tencent documents for one-to-one messages (not the group's 5 minutes),
+  answered like the original (same MsgTime and MsgKey) and stored once; a request without
+  ``MsgSeq`` gets one from the backend (Tencent fills in a random number; here a number
+  derived from the message counter, so a replay of the journal gives the same), so it
+  never matches an earlier one; both accounts must be imported (20003);
 * a missing or dismissed group answers 10010 (``get_group_info`` reports it per group);
   :meth:`SandboxState.dismiss_group` dismisses one the way Tencent may (console, inactivity).
 
@@ -117,7 +121,7 @@ class C2CMessage:
     from_account: str
     to_account: str
     msg_random: int
-    msg_seq: int | None
+    msg_seq: int
     time: int
     msg_key: str
     msg_body: list[dict[str, Any]]
@@ -297,7 +301,8 @@ class SandboxState:
         self.groups: dict[str, Group] = {}
         self.destroyed: list[Group] = []
         self.c2c: list[C2CMessage] = []
-        self._c2c_recent: dict[tuple[str, int | None, int, int], C2CMessage] = {}
+        self._c2c_recent: dict[tuple[str, int, int, int], C2CMessage] = {}
+        self.c2c_duplicates_absorbed = 0
         self.requests: list[RequestRecord] = []
         self.outage: OutageMode | None = None
         self.errors: list[InjectedError] = []
@@ -406,6 +411,7 @@ class SandboxState:
             "groups": [g.to_json(now) for g in self.groups.values()],
             "destroyed_groups": [g.to_json(now) for g in self.destroyed],
             "c2c_messages": len(self.c2c),
+            "c2c_duplicates_absorbed": self.c2c_duplicates_absorbed,
             "persistence": self.persistence(),
             "faults": self.faults(),
             "request_counts": self.request_counts(),
@@ -826,11 +832,15 @@ class SandboxState:
         sender = sender or identifier
         now = self.now()
         crc = zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
-        key = (sender, msg_seq, int(random), crc)
-        previous = self._c2c_recent.get(key)
-        if previous is not None and now - previous.sent_at < C2C_DUPLICATE_WINDOW_S:
-            return {"MsgTime": previous.time, "MsgKey": previous.msg_key}
+        if msg_seq is not None:
+            previous = self._c2c_recent.get((sender, msg_seq, int(random), crc))
+            if previous is not None and now - previous.sent_at < C2C_DUPLICATE_WINDOW_S:
+                self.c2c_duplicates_absorbed += 1
+                return {"MsgTime": previous.time, "MsgKey": previous.msg_key}
         self._c2c_counter += 1
+        if msg_seq is None:  # the backend's own number: a re-send without MsgSeq is a new message
+            msg_seq = (self._c2c_counter * 2_654_435_761) & 0xFFFFFFFF
+        key = (sender, msg_seq, int(random), crc)
         msg_key = f"{self._c2c_counter}_{random}_{int(now)}"
         message = C2CMessage(sender, to_account, int(random), msg_seq, int(now), msg_key, body, now)
         self.c2c.append(message)

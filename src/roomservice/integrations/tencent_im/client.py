@@ -528,18 +528,27 @@ class TencentImClient:
         data: str,
         *,
         random: int,
+        msg_seq: int | None = None,
         from_account: str | None = None,
         desc: str = "",
         ext: str = "",
         deadline: float | None = None,
     ) -> C2CMessageResult:
-        """A one-to-one custom message (``openim/sendmsg``), not synced to the sender's devices."""
+        """A one-to-one custom message (``openim/sendmsg``), not synced to the sender's devices.
+
+        Tencent drops a one-to-one message as a duplicate when sender, ``MsgSeq``, ``MsgRandom``
+        and the CRC32 of the body all match one sent in the last 120 seconds. ``MsgSeq`` is
+        the caller's to choose; a re-send that must be absorbed passes the same ``msg_seq``
+        (and ``random`` and body) as the first try: leaving it out lets Tencent pick one, and
+        then nothing matches."""
         body: dict[str, Any] = {
             "SyncOtherMachine": 2,
             "To_Account": to_account,
             "MsgRandom": _check_random(random, "random"),
             "MsgBody": [{"MsgType": "TIMCustomElem", "MsgContent": {"Data": data, "Desc": desc, "Ext": ext}}],
         }
+        if msg_seq is not None:
+            body["MsgSeq"] = _check_random(msg_seq, "msg_seq")
         if from_account is not None:
             body["From_Account"] = from_account
         answer = await self.call(OPENIM_SVC, "sendmsg", body, deadline=deadline)
