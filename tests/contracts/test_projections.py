@@ -10,29 +10,36 @@ or users.
 
 Rooms are driven through the real domain (``decide`` -> ``stamp`` -> ``replay``),
 so every ``room_changed`` carries the states a Room Cell would commit. An
-adapter's suite (later: Redis projections) subclasses :class:`ProjectionsContract`
+adapter's suite (in-process, Redis) subclasses :class:`ProjectionsContract`
 and provides the ``projections`` fixture.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+from tests.conftest import RequireService
 
 from roomservice.domain import commands as c
 from roomservice.domain.decider import decide, replay, stamp
 from roomservice.domain.rules import Gift, RoomRules
 from roomservice.domain.state import CLOSED, RoomState
 from roomservice.projections.port import InProcessProjections, Projections, RoomListEntry
+from roomservice.projections.redis import RedisProjections, connect
 
 APP, OTHER_APP = "app_1", "app_2"
 OWNER = "owner"
 T0 = 1_780_000_000_000
 RULES = RoomRules(gifts={"rose": Gift("rose", "Rose", 10)}, treasure_levels=(1_000_000,))
 LIMIT = 50
+SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 _event_ids = (f"evt-{n:08d}" for n in itertools.count())
 
@@ -287,3 +294,31 @@ class TestInProcessProjections(ProjectionsContract):
     @pytest.fixture
     def projections(self) -> InProcessProjections:
         return InProcessProjections()
+
+
+@pytest.fixture
+def redis_url(require_service: RequireService) -> str:
+    require_service("Redis", "127.0.0.1", 6379)
+    return SHARED_REDIS_URL
+
+
+async def delete_prefix(client: Redis, prefix: str) -> None:
+    keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=500)]
+    if keys:
+        await client.delete(*keys)
+
+
+class TestRedisProjections(ProjectionsContract):
+    """On the shared Redis, under a key prefix of this test alone (its keys are deleted afterwards)."""
+
+    __test__ = True
+
+    @pytest_asyncio.fixture
+    async def projections(self, redis_url: str) -> AsyncIterator[RedisProjections]:
+        prefix = f"test:{secrets.token_hex(6)}:"
+        adapter = RedisProjections(connect(redis_url), prefix=prefix)
+        try:
+            yield adapter
+        finally:
+            await delete_prefix(adapter.client, prefix)
+            await adapter.close()
