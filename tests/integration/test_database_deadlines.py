@@ -296,3 +296,62 @@ async def test_stopping_during_a_blackhole_is_bounded(fresh_mariadb_url: str, pr
         started = time.monotonic()
     # the worker's grace (publish_timeout) + its hand-back (D) + the pool's disposal (D)
     assert time.monotonic() - started <= 0.5 + 2 * D + SLACK
+
+
+async def test_under_load_no_room_stays_wedged_after_the_partition_heals(
+    service_through_proxy: tuple[Process, httpx.AsyncClient, dict[str, FakePublisher]],
+    proxy: TcpProxy,
+) -> None:
+    """The fault probe in small: a client per room keeps joining while the database hangs
+    for 4 D. No request waits much past the deadline, and once the database answers every
+    room takes writes again within seconds (the probe saw a third of its rooms hang for
+    minutes), and the outbox drains."""
+    process, http, _ = service_through_proxy
+    rooms = [f"load{n}" for n in range(16)]
+    for room in rooms:
+        body = {"command_id": f"create-{room}", "room_id": room, "owner_id": "o", "title": "t"}
+        assert (await _post(http, BASE, body)).status_code == 200
+    stop = asyncio.Event()
+    latencies: list[float] = []
+    statuses: list[int] = []
+
+    async def client(room: str) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            started = time.monotonic()
+            response = await _post(http, f"{BASE}/{room}/join", {"command_id": f"{room}-{n}", "user_id": f"u{n}"})
+            latencies.append(time.monotonic() - started)
+            statuses.append(response.status_code)
+            assert response.status_code in (200, 503), response.text
+
+    clients = [asyncio.create_task(client(room)) for room in rooms]
+    try:
+        await asyncio.sleep(0.3)  # load on every room
+        proxy.blackhole()
+        await asyncio.sleep(4 * D)
+        proxy.forward()
+        await asyncio.sleep(0.3)
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    assert 503 in statuses and 200 in statuses
+    assert max(latencies) <= 2 * D + SLACK  # a call that hangs fails by D; its command answers
+
+    async def every_room_takes_a_write() -> None:
+        for room in rooms:
+            response = await _post(http, f"{BASE}/{room}/join", {"command_id": f"{room}-after", "user_id": "late"})
+            assert response.status_code == 200, (room, response.text)
+
+    await eventually(every_room_takes_a_write, within_s=10 * D, what="every room taking writes again")
+
+    async def drained() -> None:
+        async with process.db.read() as conn:
+            left = (
+                await conn.execute(
+                    sa.select(sa.func.count()).select_from(t.room_outbox).where(t.room_outbox.c.status != "delivered")
+                )
+            ).scalar_one()
+        assert left == 0
+
+    await eventually(drained, within_s=10 * D, what="the outbox draining")

@@ -254,7 +254,7 @@ class OutboxWorker:
         excess: list[ClaimedRow] = []
         for row in sorted(rows, key=lambda r: (r.room_version, r.id)):
             lane_rows = lanes.setdefault((row.app_code, row.room_id), [])
-            # a lane is published row after row: more than MAX_ROOM_LANE could outlast the lease
+            # a lane is published row after row: a busy room's backlog must not hold the batch
             (lane_rows if len(lane_rows) < MAX_ROOM_LANE else excess).append(row)
         if excess:
             await self.repository.defer(owner=self.owner, row_ids=[r.id for r in excess], now_ms=self.clock())

@@ -269,6 +269,8 @@ class Database:
                         self._reap(thread_id)
                     elif conn.in_transaction():
                         await conn.rollback()
+                    if not bounded:
+                        await conn.invalidate()  # never pooled with its limits lifted
                     await conn.close()
                     conn = None
                     raise
