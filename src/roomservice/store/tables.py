@@ -312,3 +312,27 @@ broker_delivery = Table(
     Index(None, "message_id"),
     **MYSQL_TABLE_OPTIONS,
 )
+
+# --------------------------------------------------------------------------- notice consumer (0004)
+
+notice_delivery_events = Table(
+    "notice_delivery_events",
+    metadata,
+    Column("event_id", ascii_id(64), primary_key=True),  # dedup_id of the event: a repair shares the row
+    Column("app_code", ascii_id(32), nullable=False),
+    Column("room_id", ascii_id(48), nullable=False),
+    Column("user_id", ascii_id(64), nullable=False),  # who gets the notice (the kicked user)
+    Column("im_account", ascii_id(32), nullable=False),  # their IM account (account_id_for)
+    Column("kind", ascii_id(16), nullable=False),  # "kicked"
+    Column("status", ascii_id(8), nullable=False),  # "pending" | "sent" | "failed"
+    Column("attempts", Integer(), nullable=False),  # IM send attempts that ended (success or error)
+    Column("last_error", Text(), nullable=True),
+    Column("payload", json_text(), nullable=False),  # the C2C message's Data, exactly as sent
+    Column("msg_key", String(128), nullable=True),  # Tencent's MsgKey once sent
+    _ms("created_at_ms"),
+    _ms("updated_at_ms"),
+    _ms("sent_at_ms", nullable=True),
+    Index(None, "status", "updated_at_ms"),
+    Index(None, "app_code", "user_id"),
+    **MYSQL_TABLE_OPTIONS,
+)
