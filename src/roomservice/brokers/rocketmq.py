@@ -308,9 +308,15 @@ class RocketMQBroker:
         # A send the caller gave up on keeps running until the client's own attempts end; close() waits
         # for it: shutting a client down under a send in flight makes the client retry on its I/O
         # thread with the route cache cleared, which blocks that thread (shared by every client) for good.
+        return await asyncio.shield(self._track(future))
+
+    def _track(self, future: concurrent.futures.Future[Any]) -> asyncio.Future[Any]:
+        """Await a client future; close() waits for those still running when their caller gave up."""
         self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
-        return await asyncio.shield(asyncio.wrap_future(future))
+        wrapped = asyncio.wrap_future(future)
+        wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if abandoned
+        return wrapped
 
     def _to_message(self, message: OutgoingMessage, *, for_group: str = "") -> Any:
         m = Message()
@@ -419,10 +425,8 @@ class RocketMQBroker:
         consumer.room_wait_s = max(0.0, wait_s)
         consumer.await_duration = max(1, math.ceil(wait_s))  # the client's RPC deadline: request timeout + this
         future = await asyncio.to_thread(consumer.receive_async, n, invisible)
-        self._in_flight.add(future)
-        future.add_done_callback(self._in_flight.discard)
         result: list[Any] = await asyncio.wait_for(
-            asyncio.shield(asyncio.wrap_future(future)), timeout=consumer.await_duration + self.request_timeout_s + 1
+            asyncio.shield(self._track(future)), timeout=consumer.await_duration + self.request_timeout_s + 1
         )
         return result
 
