@@ -364,3 +364,14 @@ async def _dead(broker: FakeBroker, n: int) -> bool:
 async def _counted(consumers: ConsumerRuntime, *, applied: int, duplicates: int) -> bool:
     counts = consumers.runner(GROUP).counts
     return (counts.applied, counts.duplicates) == (applied, duplicates)
+
+
+async def test_two_deliveries_of_one_kick_at_once_send_one_message_and_apply_once(
+    notice: NoticeHandler, database: Database, sandbox: RunningSandbox
+) -> None:
+    body = encode_event(kick())
+    outcomes = await asyncio.gather(notice.handle(delivery(body)), notice.handle(delivery(body, count=2)))
+    assert sorted(outcomes) == [Outcome.APPLIED, Outcome.DUPLICATE]
+    assert len(sandbox.state.c2c_messages("bob")) == 1
+    [row] = await rows(database)
+    assert (row["status"], row["attempts"]) == ("sent", 1)

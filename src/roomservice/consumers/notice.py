@@ -29,8 +29,9 @@ Per delivery:
    fixed (a replay sends again: only ``sent`` stops a send).
 
 Two deliveries of one event at the same moment (a visibility timeout that ran out
-mid-send) may both call IM; the identical MsgSeq/MsgRandom/body makes Tencent keep
-one message.
+mid-send, or the event published twice) may both call IM; the identical
+MsgSeq/MsgRandom/body makes Tencent keep one message, and only the first to mark the
+row ``sent`` reports ``APPLIED`` (the other ``DUPLICATE``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ _ROW: Final = sa.select(_n.c.status, _n.c.im_account, _n.c.payload, _n.c.attempt
 )
 _SENT: Final = (
     sa.update(_n)
-    .where(_n.c.event_id == sa.bindparam("key"))
+    .where(_n.c.event_id == sa.bindparam("key"), _n.c.status != SENT)
     .values(
         status=SENT,
         attempts=_n.c.attempts + 1,
@@ -145,7 +146,9 @@ class NoticeHandler:
         except im_errors.ImError as exc:
             await self._record_failure(key, exc, attempts=row["attempts"] + 1, room=event.room_id)
             raise
-        await self.db.run_write(_execute, _SENT, {"key": key, "msg_key": result.msg_key, "now": self.clock()})
+        marked = await self.db.run_write(_count, _SENT, {"key": key, "msg_key": result.msg_key, "now": self.clock()})
+        if not marked:  # a concurrent delivery of this event sent it first (IM kept one message)
+            return Outcome.DUPLICATE
         _log.info("notice_sent", event_id=key, room_id=event.room_id, user_id=payload.target_id)
         return Outcome.APPLIED
 
@@ -201,3 +204,8 @@ def _insert_and_read(conn: sa.Connection, insert: sa.Insert, values: dict[str, A
 
 def _execute(conn: sa.Connection, statement: sa.Executable, params: dict[str, Any]) -> None:
     conn.execute(statement, params)
+
+
+def _count(conn: sa.Connection, statement: sa.Update, params: dict[str, Any]) -> int:
+    """Rows the update matched (MySQL dialects count matched, not changed, rows)."""
+    return int(conn.execute(statement, params).rowcount)
