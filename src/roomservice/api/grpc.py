@@ -1,0 +1,479 @@
+"""The room API over gRPC (``roomservice.v1.RoomApi``, ``proto/room_api.proto``): the HTTP contract of SPEC §8.
+
+Every command and read of the HTTP API, answering the same bodies (typed: a
+``CommandReply`` is the HTTP command body, a ``RoomView`` the room view; a
+``null`` of the JSON body is an unset ``optional`` field) and refusing the same
+input with the same error codes. Validation is the HTTP code itself: a request
+becomes the body dict the HTTP route would have read and is validated by the
+same pydantic model (:mod:`roomservice.api.schemas`); the path parameters of
+HTTP (``app_code``, ``room_id``) are checked by the same limits
+(:mod:`roomservice.domain.limits`).
+
+Error code → gRPC status (the HTTP status for comparison):
+
+    ====================  ====  ===================  ==============================================
+    error code            HTTP  gRPC status          why
+    ====================  ====  ===================  ==============================================
+    invalid_argument      400   INVALID_ARGUMENT
+    unknown_gift          400   INVALID_ARGUMENT     the gift id names nothing in the catalog
+    unauthorized          401   UNAUTHENTICATED
+    insufficient_balance  402   FAILED_PRECONDITION  the wallet must change first; not a quota or
+                                                     rate limit, which RESOURCE_EXHAUSTED means
+    not_member            403   PERMISSION_DENIED
+    not_allowed           403   PERMISSION_DENIED
+    user_banned           403   PERMISSION_DENIED
+    room_not_found        404   NOT_FOUND
+    not_found             404   NOT_FOUND
+    method_not_allowed    405   UNIMPLEMENTED        (HTTP only)
+    room_exists           409   ALREADY_EXISTS
+    command_id_reused     409   ALREADY_EXISTS       the id is taken by another payload
+    seat_taken            409   FAILED_PRECONDITION  the room's state refuses it
+    room_closed           409   FAILED_PRECONDITION
+    too_early             409   FAILED_PRECONDITION  (internal: treasure wake-ups)
+    payload_too_large     413   RESOURCE_EXHAUSTED   (gRPC refuses a message over the limit itself)
+    unavailable           503   UNAVAILABLE          retry with the same command_id
+    retry                 503   UNAVAILABLE          retry with the same command_id
+    any other retryable   503   UNAVAILABLE
+    anything else         500   INTERNAL             code ``internal``; never for bad input
+    ====================  ====  ===================  ==============================================
+
+Every refusal carries the error code twice: in the trailing metadata
+``error-code`` (the message is the status message), and as a ``google.rpc.Status``
+in ``grpc-status-details-bin`` (what grpcio-status's ``rpc_status.from_call``
+reads) whose details hold one ``google.rpc.ErrorInfo`` with ``reason`` = the
+error code and ``domain`` = ``roomservice``. :func:`error_of` turns such a
+refusal back into the error of the tree.
+
+Hooks for scale-out: a command reaches the pipeline through
+:meth:`RoomApiServicer.execute` and a room view through
+:meth:`RoomApiServicer.room` (by default the local :class:`RoomService`;
+forwarding replaces them), both given the call's metadata; authentication is an
+interceptor passed to :func:`start_room_api`.
+
+A command refused before the pipeline (bad input) logs its one
+``room_command_timing`` line here, as the HTTP route does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Final, NoReturn, TypeVar
+
+import grpc
+import grpc.aio
+from fastapi.exceptions import RequestValidationError
+from google.protobuf import json_format
+from google.protobuf.any_pb2 import Any as AnyProto
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
+
+from roomservice import errors
+from roomservice.api import schemas as s
+from roomservice.api.app import _describe_validation as describe_request_validation
+from roomservice.domain import commands as c
+from roomservice.domain import limits as lim
+from roomservice.observability.logging import get_logger
+from roomservice.observability.timing import CommandTiming, Stopwatch
+from roomservice.proto import room_api_pb2 as pb
+from roomservice.proto import room_api_pb2_grpc as pb_grpc
+from roomservice.service import RoomService
+
+_log = get_logger("roomservice.api.grpc")
+
+SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["RoomApi"].full_name  # roomservice.v1.RoomApi
+ERROR_DOMAIN: Final = "roomservice"
+ERROR_CODE_KEY: Final = "error-code"
+STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+GRPC_STATUS: Final[dict[str, grpc.StatusCode]] = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "unknown_gift": grpc.StatusCode.INVALID_ARGUMENT,
+    "unauthorized": grpc.StatusCode.UNAUTHENTICATED,
+    "insufficient_balance": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_member": grpc.StatusCode.PERMISSION_DENIED,
+    "not_allowed": grpc.StatusCode.PERMISSION_DENIED,
+    "user_banned": grpc.StatusCode.PERMISSION_DENIED,
+    "room_not_found": grpc.StatusCode.NOT_FOUND,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "method_not_allowed": grpc.StatusCode.UNIMPLEMENTED,
+    "room_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "command_id_reused": grpc.StatusCode.ALREADY_EXISTS,
+    "seat_taken": grpc.StatusCode.FAILED_PRECONDITION,
+    "room_closed": grpc.StatusCode.FAILED_PRECONDITION,
+    "too_early": grpc.StatusCode.FAILED_PRECONDITION,
+    "payload_too_large": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "retry": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def grpc_status(exc: errors.RoomServiceError) -> grpc.StatusCode:
+    """The status for ``exc``: by its code; anything else retryable is UNAVAILABLE, the rest INTERNAL."""
+    status = GRPC_STATUS.get(exc.code)
+    if status is not None:
+        return status
+    return grpc.StatusCode.UNAVAILABLE if exc.retryable else grpc.StatusCode.INTERNAL
+
+
+def error_metadata(exc: errors.RoomServiceError, status: grpc.StatusCode) -> Metadata:
+    """The trailing metadata of a refusal: ``error-code`` and the google.rpc.Status with its ErrorInfo."""
+    info = AnyProto()
+    info.Pack(error_details_pb2.ErrorInfo(reason=exc.code, domain=ERROR_DOMAIN))
+    rpc_status = status_pb2.Status(code=status.value[0], message=exc.message, details=[info])
+    return ((ERROR_CODE_KEY, exc.code), (STATUS_DETAILS_KEY, rpc_status.SerializeToString()))
+
+
+# --------------------------------------------------------------------------- bodies <-> messages
+
+
+def to_dict(message: Message) -> dict[str, Any]:
+    """A reply as the HTTP body: every field by its proto name, an unset ``optional`` as ``None``."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.is_repeated:
+            out[field.name] = [to_dict(v) if field.message_type else v for v in value]
+        elif field.message_type is not None:
+            out[field.name] = to_dict(value) if message.HasField(field.name) else None
+        elif field.has_presence and not message.HasField(field.name):
+            out[field.name] = None
+        else:
+            out[field.name] = value
+    return out
+
+
+M = TypeVar("M", bound=Message)
+
+
+def from_dict(body: dict[str, Any], message: M) -> M:
+    """Fill ``message`` from an HTTP body (``None`` leaves a field unset). A key it has no field for is an error."""
+    json_format.ParseDict(body, message)
+    return message
+
+
+def body_of(reply: pb.CommandReply) -> dict[str, Any]:
+    """The HTTP command body of a reply."""
+    return to_dict(reply)
+
+
+def reply_of(body: dict[str, Any]) -> pb.CommandReply:
+    return from_dict(body, pb.CommandReply())
+
+
+def request_of(app_code: str, room_id: str, command_id: str, command: c.Command) -> tuple[str, Message]:
+    """The rpc name and request of a command (what a forwarder sends)."""
+    if command.name not in _COMMANDS:
+        raise ValueError(f"{command.name} is not served over the room API")
+    fields = {k: v for k, v in command.to_dict().items() if k != "type" and v is not None}
+    request = getattr(pb, f"{command.name}Request")(app_code=app_code, room_id=room_id, command_id=command_id, **fields)
+    return command.name, request
+
+
+def _error_classes() -> dict[str, type[errors.RoomServiceError]]:
+    """Each error code's most general class of the tree (``unavailable`` -> Unavailable, not StoreUnavailable)."""
+    found: dict[str, type[errors.RoomServiceError]] = {}
+    queue: list[type[errors.RoomServiceError]] = [errors.RoomServiceError]
+    while queue:
+        cls = queue.pop(0)
+        if cls is not errors.TreasureTooEarly:  # takes open_at_ms; never crosses the API
+            found.setdefault(cls.code, cls)
+        queue.extend(cls.__subclasses__())
+    return found
+
+
+def error_of(exc: grpc.aio.AioRpcError) -> errors.RoomServiceError:
+    """The error of the tree a refusal of this API stands for (its ``error-code`` and message).
+
+    A failure without an error code (the call never reached the servicer: deadline, connection
+    refused, an interceptor's refusal) is :class:`errors.Unavailable` when the status says so
+    (UNAVAILABLE, DEADLINE_EXCEEDED), else an internal error.
+    """
+    metadata = dict(exc.trailing_metadata() or ())
+    code = metadata.get(ERROR_CODE_KEY)
+    message = exc.details() or None
+    if isinstance(code, str):
+        cls = _error_classes().get(code)
+        if cls is not None:
+            return cls(message)
+    if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return errors.Unavailable(message)
+    if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+        return errors.Unauthorized(message)
+    return errors.RoomServiceError(message)
+
+
+# --------------------------------------------------------------------------- the servicer
+
+# rpc -> the HTTP body model that validates it; its request's fields are the body's, plus app_code and room_id
+_COMMANDS: Final[dict[str, type[s._Body]]] = {
+    c.CreateRoom.name: s.CreateRoomBody,
+    c.JoinRoom.name: s.JoinBody,
+    c.LeaveRoom.name: s.LeaveBody,
+    c.TakeMic.name: s.TakeMicBody,
+    c.LeaveMic.name: s.LeaveMicBody,
+    c.SendGift.name: s.GiftBody,
+    c.KickUser.name: s.KickBody,
+    c.CloseRoom.name: s.CloseBody,
+}
+
+
+def describe_validation(exc: ValidationError) -> str:
+    """The message of a body refused by its model, worded by the HTTP API's own code."""
+    return describe_request_validation(RequestValidationError(exc.errors()))
+
+
+def check_app_code(app_code: str) -> None:
+    if not lim.valid_app_code(app_code):
+        raise errors.InvalidArgument(f"app_code: must match {lim.APP_CODE_PATTERN}")
+
+
+def check_room_id(room_id: str) -> None:
+    if not lim.valid_room_id(room_id):
+        raise errors.InvalidArgument(f"room_id: must match {lim.ROOM_ID_PATTERN}")
+
+
+def parse_command(rpc: str, request: Message) -> tuple[str, str, str, c.Command]:
+    """``(app_code, room_id, command_id, command)`` of a command request, validated as HTTP validates it."""
+    model = _COMMANDS[rpc]
+    app_code: str = getattr(request, "app_code")  # noqa: B009 - generated messages are untyped here
+    check_app_code(app_code)
+    body: dict[str, Any] = {}
+    for field in request.DESCRIPTOR.fields:
+        if field.name == "app_code" or (field.name == "room_id" and "room_id" not in model.model_fields):
+            continue
+        if field.has_presence and not request.HasField(field.name):
+            continue  # absent, as an omitted optional key of the JSON body
+        body[field.name] = getattr(request, field.name)
+    room_id: str = getattr(request, "room_id")  # noqa: B009
+    if "room_id" not in model.model_fields:
+        check_room_id(room_id)  # a path parameter over HTTP
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        raise errors.InvalidArgument(describe_validation(exc)) from None
+    return app_code, room_id, parsed.command_id, parsed.to_command()
+
+
+def _log_refused(rpc: str, request: Message, result: str, total_ms: float) -> None:
+    """The one ``room_command_timing`` line of a command refused before the pipeline (valid ids only)."""
+
+    def valid(name: str, check: Callable[[str], bool]) -> str:
+        value = getattr(request, name, "")
+        return value if isinstance(value, str) and check(value) else ""
+
+    CommandTiming(
+        command=rpc,
+        app_code=valid("app_code", lim.valid_app_code),
+        room_id=valid("room_id", lim.valid_room_id),
+        command_id=valid("command_id", lim.valid_id),
+        result=result,
+        total_ms=total_ms,
+    ).emit()
+
+
+class RoomApiServicer:
+    """``roomservice.v1.RoomApi`` over a :class:`RoomService`.
+
+    Override :meth:`execute` and :meth:`room` (or pass them in) to route a call elsewhere,
+    e.g. to the process that holds the room's lease.
+    """
+
+    def __init__(
+        self,
+        service: RoomService,
+        *,
+        execute: Callable[..., Awaitable[dict[str, Any]]] | None = None,
+        room: Callable[..., Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
+        self.service = service
+        self._execute = execute
+        self._room = room
+
+    # ------------------------------------------------------------------ hooks
+
+    async def execute(
+        self, app_code: str, room_id: str, command_id: str, command: c.Command, *, metadata: Metadata
+    ) -> dict[str, Any]:
+        """Run a validated command; the HTTP command body, or raises RoomServiceError."""
+        if self._execute is not None:
+            return await self._execute(app_code, room_id, command_id, command, metadata=metadata)
+        return await self.service.execute(app_code, room_id, command_id, command)
+
+    async def room(self, app_code: str, room_id: str, *, metadata: Metadata) -> dict[str, Any]:
+        """The room view, or raises RoomServiceError."""
+        if self._room is not None:
+            return await self._room(app_code, room_id, metadata=metadata)
+        return await self.service.room(app_code, room_id)
+
+    # ------------------------------------------------------------------ commands
+
+    async def _command(self, rpc: str, request: Message, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        watch = Stopwatch()
+        try:
+            app_code, room_id, command_id, command = parse_command(rpc, request)
+        except errors.RoomServiceError as exc:
+            _log_refused(rpc, request, exc.code, watch.elapsed_ms())
+            await _abort(context, exc)
+        metadata = tuple(context.invocation_metadata() or ())
+        try:
+            body = await self.execute(app_code, room_id, command_id, command, metadata=metadata)
+            return reply_of(body)
+        except errors.RoomServiceError as exc:
+            await _abort(context, exc)
+        except Exception:
+            _log.exception("grpc_unhandled_error", rpc=rpc)
+            await _abort(context, errors.RoomServiceError())
+
+    async def CreateRoom(self, request: pb.CreateRoomRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("CreateRoom", request, context)
+
+    async def JoinRoom(self, request: pb.JoinRoomRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("JoinRoom", request, context)
+
+    async def LeaveRoom(self, request: pb.LeaveRoomRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("LeaveRoom", request, context)
+
+    async def TakeMic(self, request: pb.TakeMicRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("TakeMic", request, context)
+
+    async def LeaveMic(self, request: pb.LeaveMicRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("LeaveMic", request, context)
+
+    async def SendGift(self, request: pb.SendGiftRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("SendGift", request, context)
+
+    async def KickUser(self, request: pb.KickUserRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("KickUser", request, context)
+
+    async def CloseRoom(self, request: pb.CloseRoomRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        return await self._command("CloseRoom", request, context)
+
+    # ------------------------------------------------------------------ reads
+
+    async def GetRoom(self, request: pb.GetRoomRequest, context: grpc.aio.ServicerContext) -> pb.RoomView:
+        async def read() -> pb.RoomView:
+            check_app_code(request.app_code)
+            check_room_id(request.room_id)
+            metadata = tuple(context.invocation_metadata() or ())
+            view = await self.room(request.app_code, request.room_id, metadata=metadata)
+            return from_dict(view, pb.RoomView())
+
+        return await _answer("GetRoom", read, context)
+
+    async def ListRooms(self, request: pb.ListRoomsRequest, context: grpc.aio.ServicerContext) -> pb.ListRoomsReply:
+        async def read() -> pb.ListRoomsReply:
+            check_app_code(request.app_code)
+            return from_dict({"rooms": await self.service.rooms(request.app_code)}, pb.ListRoomsReply())
+
+        return await _answer("ListRooms", read, context)
+
+    async def ListGifts(self, request: pb.ListGiftsRequest, context: grpc.aio.ServicerContext) -> pb.ListGiftsReply:
+        async def read() -> pb.ListGiftsReply:
+            return from_dict({"gifts": self.service.gifts()}, pb.ListGiftsReply())
+
+        return await _answer("ListGifts", read, context)
+
+
+R = TypeVar("R")
+
+
+async def _answer(rpc: str, read: Callable[[], Awaitable[R]], context: grpc.aio.ServicerContext) -> R:
+    try:
+        return await read()
+    except errors.RoomServiceError as exc:
+        await _abort(context, exc)
+    except Exception:
+        _log.exception("grpc_unhandled_error", rpc=rpc)
+        await _abort(context, errors.RoomServiceError())
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: errors.RoomServiceError) -> NoReturn:
+    status = grpc_status(exc)
+    await context.abort(status, exc.message, trailing_metadata=error_metadata(exc, status))
+    raise AssertionError("context.abort returned")  # it raises
+
+
+# --------------------------------------------------------------------------- running server
+
+
+def format_target(host: str, port: int) -> str:
+    """``host:port`` for a gRPC target (IPv6 literals bracketed)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class RunningRoomApi:
+    """A started grpc.aio server serving the room API; ``target`` is what a client connects to."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: RoomApiServicer, host: str, port: int) -> None:
+        self.server = server
+        self.servicer = servicer
+        self.host = host
+        self.port = port
+        self._stopped = False
+
+    @property
+    def target(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
+        return format_target(host, self.port)
+
+    @property
+    def serving(self) -> bool:
+        return not self._stopped
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Stop accepting calls, let in-flight ones finish within ``grace`` seconds, then cancel them."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.server.stop(grace)
+        _log.info("room_api_stopped", target=self.target)
+
+    async def wait(self) -> None:
+        """Until the server terminates."""
+        await self.server.wait_for_termination()
+
+
+async def start_room_api(
+    service: RoomService,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    servicer: RoomApiServicer | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    options: Iterable[tuple[str, Any]] = (),
+) -> RunningRoomApi:
+    """Serve the room API (and reflection) on ``host:port``; port 0 binds a free port (see ``.port``/``.target``).
+
+    ``interceptors`` run before every call (authentication of peers goes there), ``servicer``
+    replaces the default one (forwarding), ``credentials`` serve TLS instead of plaintext.
+    A request over the HTTP body limit is refused by gRPC itself (RESOURCE_EXHAUSTED).
+    """
+    servicer = servicer or RoomApiServicer(service)
+    server = grpc.aio.server(
+        interceptors=tuple(interceptors),
+        # no SO_REUSEPORT: a second server on a taken port must fail, not silently share it
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", lim.MAX_BODY_BYTES), *options],
+    )
+    pb_grpc.add_RoomApiServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = format_target(host, port)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # newer grpcio raises instead of returning 0
+        raise OSError(f"room API cannot bind {address}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"room API cannot bind {address}")
+    await server.start()
+    running = RunningRoomApi(server, servicer, host, bound)
+    _log.info("room_api_started", target=running.target)
+    return running
