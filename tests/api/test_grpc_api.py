@@ -446,3 +446,16 @@ async def test_a_request_over_the_body_limit_is_refused_by_grpc(faces: Faces) ->
         await faces.stub.CreateRoom(request)
     assert caught.value.code() is S.RESOURCE_EXHAUSTED
     assert faces.process.service.registry.peek("demo", "r1") is None
+
+
+def test_the_committed_modules_are_generated_from_the_committed_proto(tmp_path: Path) -> None:
+    """scripts/gen-proto's command on room_api.proto reproduces the committed modules byte for byte."""
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parents[2]
+    args = ["protoc", f"-I{root / 'src'}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}"]
+    args += [f"--grpc_python_out={tmp_path}", str(root / "src/roomservice/proto/room_api.proto")]
+    assert protoc.main(args) == 0
+    for name in ("room_api_pb2.py", "room_api_pb2.pyi", "room_api_pb2_grpc.py"):
+        generated = (tmp_path / "roomservice/proto" / name).read_text()
+        assert generated == (root / "src/roomservice/proto" / name).read_text(), f"{name}: run scripts/gen-proto"
