@@ -332,5 +332,10 @@ class RoomService:
         entries = await self.projections.list_rooms(app_code, limit=limit or self.options.room_list_limit)
         return [entry.to_dict() for entry in entries]
 
+    async def presence(self, app_code: str, user_id: str) -> dict[str, object]:
+        """Which room the user is in, as the presence projection has it (``room_id`` None: none)."""
+        room_id = await self.projections.room_of(app_code, user_id)
+        return {"app_code": app_code, "user_id": user_id, "room_id": room_id}
+
     def gifts(self) -> list[dict[str, object]]:
         return [{"id": g.id, "name": g.name, "price": g.price} for g in self.rules.gifts.values()]

@@ -32,6 +32,7 @@ _log = get_logger("roomservice.api")
 
 AppCode = Annotated[str, Path(pattern=lim.APP_CODE_PATTERN, min_length=1, max_length=32)]
 RoomIdPath = Annotated[str, Path(pattern=lim.ROOM_ID_PATTERN, min_length=1, max_length=48)]
+UserIdPath = Annotated[str, Path(pattern=lim.ID_PATTERN, min_length=1, max_length=64)]
 
 _ERROR_DESCRIPTIONS: dict[int, str] = {
     400: "`invalid_argument` (a body or parameter breaks the limits or types; the body is not UTF-8 "
@@ -65,6 +66,7 @@ _COMMANDS: dict[str, tuple[str, type[s._Body], type[c.Command], dict[int | str, 
     "close_room": ("close", s.CloseBody, c.CloseRoom, _responses(*_COMMAND, 403)),
 }
 _READ = _responses(400, 404, 503)
+_PRESENCE = _responses(400, 503)
 ADMIN_RESPONSES = _responses(400, 401, 404, 413, 503)
 
 
@@ -195,6 +197,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.get("/v1/apps/{app_code}/rooms", tags=["reads"], responses=_READ)
     async def list_rooms(app_code: AppCode) -> dict[str, Any]:
         return {"rooms": await service.rooms(app_code)}
+
+    @app.get("/v1/apps/{app_code}/users/{user_id}/presence", tags=["reads"], responses=_PRESENCE)
+    async def get_presence(app_code: AppCode, user_id: UserIdPath) -> dict[str, object]:
+        return await service.presence(app_code, user_id)
 
     @app.get("/v1/gifts", tags=["reads"])
     async def list_gifts() -> list[dict[str, object]]:

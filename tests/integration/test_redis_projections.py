@@ -1,0 +1,352 @@
+"""Redis projections shared by processes: one list and one presence for all, never going backwards,
+rebuilt from the database when Redis lost them, failing fast (and recovering) when Redis is away.
+
+Processes here are real :class:`Process` instances on one database, each given a
+:class:`RedisProjections` on the same key prefix (the lead wires the adapter into
+bootstrap; these tests put it in place of the in-process one). Tests that stop Redis
+start a ``redis-server`` of their own on a free port; the shared one is only ever
+written under a key prefix of the test, deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+from redis.asyncio import Redis
+from tests.conftest import RequireService
+from tests.contracts.test_projections import APP, Room, delete_prefix, listed
+from tests.service.conftest import Clock, make_settings
+
+from roomservice.api.app import ApiContext, create_app
+from roomservice.bootstrap import API, MAINTENANCE, Process
+from roomservice.domain import commands as c
+from roomservice.projections.port import RoomListEntry
+from roomservice.projections.redis import ProjectionsUnavailable, RedisProjections, connect, store_loader
+
+SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+DEADLINE = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OwnRedis:
+    """``redis-server`` on a free port, nothing persisted: stop (SIGKILL) and start it again on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert self.process is None
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        end = time.monotonic() + DEADLINE
+        while time.monotonic() < end:
+            assert self.process.poll() is None, "redis-server exited at start"
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("redis-server did not listen in time")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+
+@pytest.fixture
+def own_redis() -> Iterator[OwnRedis]:
+    if not os.path.exists(REDIS_SERVER):
+        pytest.skip("redis-server is not installed")
+    server = OwnRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"test:{secrets.token_hex(6)}:"
+
+
+@pytest_asyncio.fixture
+async def shared_redis(require_service: RequireService, prefix: str) -> AsyncIterator[Redis]:
+    require_service("Redis", "127.0.0.1", 6379)
+    client = connect(SHARED_REDIS_URL)
+    try:
+        yield client
+    finally:
+        await delete_prefix(client, prefix)
+        await client.aclose()
+
+
+async def with_redis_projections(
+    stack: AsyncExitStack, tmp_path: Path, name: str, *, redis_url: str, prefix: str, timeout_s: float = 1.0
+) -> Process:
+    """A Process on the test's one database whose projections are Redis (rebuilt from its store)."""
+    data_dir = tmp_path / name
+    data_dir.mkdir()
+    settings = make_settings(f"sqlite+aiosqlite:///{tmp_path}/room.db", data_dir)
+    process = await stack.enter_async_context(
+        Process.running(settings, clock=Clock(), roles=(API, MAINTENANCE), loops=False)
+    )
+    projections = RedisProjections.from_url(
+        redis_url, prefix=prefix, loader=store_loader(process.store), timeout_s=timeout_s
+    )
+    stack.push_async_callback(projections.close)
+    process.service.projections = projections
+    return process
+
+
+def projections_of(process: Process) -> RedisProjections:
+    projections = process.service.projections
+    assert isinstance(projections, RedisProjections)
+    return projections
+
+
+_ids = iter(range(1_000_000))
+
+
+async def run(process: Process, room_id: str, command: c.Command) -> dict[str, object]:
+    return await process.service.execute(APP, room_id, f"cmd-{next(_ids)}", command)
+
+
+async def create(process: Process, room_id: str, owner: str = "owner") -> None:
+    await run(process, room_id, c.CreateRoom(owner_id=owner, title=f"room {room_id}", seat_count=8))
+
+
+async def room_ids(process: Process) -> list[str]:
+    return [str(r["room_id"]) for r in await process.service.rooms(APP)]
+
+
+async def present(process: Process, user_id: str) -> object:
+    return (await process.service.presence(APP, user_id))["room_id"]
+
+
+# --------------------------------------------------------------------------- shared by processes
+
+
+async def test_two_processes_see_each_others_rooms_and_users(tmp_path: Path, shared_redis: Redis, prefix: str) -> None:
+    async with AsyncExitStack() as stack:
+        one = await with_redis_projections(stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        two = await with_redis_projections(stack, tmp_path, "two", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        await create(one, "r-one")
+        await create(two, "r-two", owner="ann")
+        await run(two, "r-two", c.JoinRoom(user_id="bob"))
+        for process in (one, two):
+            assert await room_ids(process) == ["r-two", "r-one"]  # two members before one
+            assert await present(process, "bob") == "r-two"
+            assert await present(process, "owner") == "r-one"
+        await run(one, "r-one", c.CloseRoom(operator_id="owner"))
+        assert await room_ids(two) == ["r-two"]
+        assert await present(two, "owner") is None
+
+
+# --------------------------------------------------------------------------- never backwards
+
+
+async def test_a_stale_update_never_overwrites_a_newer_one(shared_redis: Redis, prefix: str) -> None:
+    current = RedisProjections(shared_redis, prefix=prefix)
+    fenced = RedisProjections(shared_redis, prefix=prefix)  # a former owner whose updates arrive late
+    room = Room(current, "r1")
+    s1 = await room.create()
+    s2 = await room.join("bob")
+    s3 = await room.join("carol")
+    s4 = await room.leave("bob")
+    assert await current.list_rooms(APP, limit=10) == [RoomListEntry.of(s4)]
+
+    await fenced.room_changed(s1, s2)  # bob joins: older than what Redis holds
+    await fenced.room_changed(s2, s3)
+    await fenced.room_changed(None, s3)  # a whole state, not a diff: older all the same
+    await fenced.seed([RoomListEntry.of(s3)])
+    assert await current.list_rooms(APP, limit=10) == [RoomListEntry.of(s4)]
+    assert await current.room_of(APP, "bob") is None  # bob's stale join did not come back
+    assert await current.room_of(APP, "carol") == "r1"
+
+    s5 = await room.close()
+    await fenced.room_changed(s3, s4)  # a late update after the close cannot reopen the room
+    assert await listed(current) == []
+    assert await current.room_of(APP, "carol") is None
+    assert s5.version == s4.version + 1
+
+
+async def test_a_lost_update_is_repaired_by_the_next(shared_redis: Redis, prefix: str) -> None:
+    """The next change finds Redis a version behind its ``before``: it sends the whole member list."""
+    projections = RedisProjections(shared_redis, prefix=prefix)
+    lossy = Room(RedisProjections(shared_redis, prefix=f"{prefix}void:"), "r1")  # where the lost update went
+    s1 = await lossy.create()
+    await projections.room_changed(None, s1)
+    s2 = await lossy.join("bob", "carol")  # two commits Redis never heard of
+    s3 = await lossy.leave("bob")
+    await projections.room_changed(s2, s3)  # the diff (bob leaves) alone would never credit carol
+    assert await projections.list_rooms(APP, limit=10) == [RoomListEntry.of(s3)]
+    assert await projections.room_of(APP, "carol") == "r1"
+    assert await projections.room_of(APP, "bob") is None
+
+
+# --------------------------------------------------------------------------- rebuilt from the database
+
+
+async def test_redis_emptied_rebuilds_from_the_database_on_the_next_read(
+    tmp_path: Path, shared_redis: Redis, prefix: str
+) -> None:
+    async with AsyncExitStack() as stack:
+        one = await with_redis_projections(stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        two = await with_redis_projections(stack, tmp_path, "two", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        await create(one, "small")
+        await create(one, "big")
+        await create(one, "gone")
+        for user in ("bob", "carol"):
+            await run(one, "big", c.JoinRoom(user_id=user))
+        await run(one, "gone", c.CloseRoom(operator_id="owner"))
+        before = await one.service.rooms(APP)
+        assert [r["room_id"] for r in before] == ["big", "small"]
+        assert projections_of(one).rebuilds == 1  # the first read found no marker
+
+        await delete_prefix(shared_redis, prefix)  # Redis lost everything
+        assert await shared_redis.exists(projections_of(two).marker_key) == 0
+        reads = await asyncio.gather(*(two.service.rooms(APP) for _ in range(5)))
+        assert all(got == before for got in reads)
+        assert projections_of(two).rebuilds == 1  # single flight: five reads, one rebuild
+        assert await present(two, "carol") == "big"
+        assert await present(two, "owner") in ("big", "small")  # the owner of both open rooms
+        assert await present(one, "nobody") is None
+        assert projections_of(one).rebuilds == 1  # the marker is back: the other process did not rebuild
+
+
+async def test_without_a_loader_an_emptied_redis_answers_what_it_has(shared_redis: Redis, prefix: str) -> None:
+    projections = RedisProjections(shared_redis, prefix=prefix)
+    assert await projections.list_rooms(APP, limit=10) == []
+    assert projections.rebuilds == 0
+
+
+async def test_a_failing_rebuild_is_unavailable_and_retried_by_the_next_read(shared_redis: Redis, prefix: str) -> None:
+    calls = 0
+
+    async def load() -> list[RoomListEntry]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ProjectionsUnavailable("database down")  # stands for a StoreUnavailable
+        return [RoomListEntry(APP, "r1", "t", "owner", "open", 1, 0, 3)]
+
+    projections = RedisProjections(shared_redis, prefix=prefix, loader=load)
+    with pytest.raises(ProjectionsUnavailable):
+        await projections.list_rooms(APP, limit=10)
+    assert await listed(projections) == ["r1"]
+    assert calls == 2
+
+
+# --------------------------------------------------------------------------- Redis down
+
+
+async def test_redis_down_fails_fast_and_everything_recovers_when_it_returns(
+    tmp_path: Path, own_redis: OwnRedis, prefix: str
+) -> None:
+    async with AsyncExitStack() as stack:
+        process = await with_redis_projections(
+            stack, tmp_path, "one", redis_url=own_redis.url, prefix=prefix, timeout_s=0.5
+        )
+        await create(process, "r1")
+        assert await room_ids(process) == ["r1"]
+
+        own_redis.kill()
+        projections = projections_of(process)
+        room = Room(projections, "r-direct")
+        with pytest.raises(ProjectionsUnavailable):
+            await room.create()  # the adapter raises; the pipeline logs it
+        answered = await run(process, "r1", c.JoinRoom(user_id="bob"))  # the command does not fail
+        assert answered["version"] == 2
+        started = time.monotonic()
+        with pytest.raises(ProjectionsUnavailable) as raised:
+            await process.service.rooms(APP)
+        assert time.monotonic() - started < 5.0  # bounded: 2 x 0.5 s socket timeouts at most, not a hang
+        assert raised.value.code == "unavailable"
+        with pytest.raises(ProjectionsUnavailable):
+            await process.service.presence(APP, "bob")
+
+        own_redis.start()  # an empty Redis on the same port: the projections rebuild from the database
+        await create(process, "r2")
+        assert await room_ids(process) == ["r1", "r2"]  # r1 has two members (bob's join while Redis was away)
+        assert await present(process, "bob") == "r1"
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+@pytest_asyncio.fixture
+async def http(tmp_path: Path, shared_redis: Redis, prefix: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with AsyncExitStack() as stack:
+        process = await with_redis_projections(stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        app = create_app(ApiContext(service=process.service, health=process.health, admin_token="t"))
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://room.test")
+        )
+        yield client
+
+
+async def test_http_presence_follows_join_and_leave(http: httpx.AsyncClient) -> None:
+    base = f"/v1/apps/{APP}"
+    created = await http.post(
+        f"{base}/rooms", json={"command_id": "c1", "room_id": "r1", "owner_id": "ann", "title": "x"}
+    )
+    assert created.status_code == 200, created.text
+    presence = f"{base}/users/bob/presence"
+    assert (await http.get(presence)).json() == {"app_code": APP, "user_id": "bob", "room_id": None}
+    joined = await http.post(f"{base}/rooms/r1/join", json={"command_id": "c2", "user_id": "bob"})
+    assert joined.status_code == 200, joined.text
+    answer = await http.get(presence)
+    assert answer.status_code == 200
+    assert answer.json() == {"app_code": APP, "user_id": "bob", "room_id": "r1"}
+    left = await http.post(f"{base}/rooms/r1/leave", json={"command_id": "c3", "user_id": "bob"})
+    assert left.status_code == 200, left.text
+    assert (await http.get(presence)).json()["room_id"] is None
+    assert (await http.get(f"{base}/users/ann/presence")).json()["room_id"] == "r1"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/apps/app_1/users/b%20ob/presence",
+        "/v1/apps/App-1/users/bob/presence",
+        f"/v1/apps/app_1/users/{'u' * 65}/presence",
+    ],
+)
+async def test_http_presence_rejects_a_bad_id(http: httpx.AsyncClient, path: str) -> None:
+    answer = await http.get(path)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "invalid_argument"
+
+
+async def test_openapi_documents_the_presence_route(http: httpx.AsyncClient) -> None:
+    spec = (await http.get("/openapi.json")).json()
+    op = spec["paths"]["/v1/apps/{app_code}/users/{user_id}/presence"]["get"]
+    assert {"200", "400", "503"} <= set(op["responses"])
+    assert op["responses"]["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
