@@ -1,0 +1,586 @@
+"""Benchmark of mq mode on NATS JetStream (issue 8).
+
+Prints, for SQLite and MariaDB:
+  * mq-mode drain: events/s from ``pending`` to broker-acknowledged ``delivered``:
+    N pre-inserted pending rows (real events, ``encode_event``) drained by the real
+    outbox worker (``Process.running(roles={"outbox"})``, publish_mode mq,
+    broker.driver nats), timed from the worker's start until every row is finished;
+  * beside it, in the same run, the raw baseline: a bare loop with the bare drivers
+    (sqlite3 or asyncmy, nats-py; no SQLAlchemy, no roomservice code on the hot path)
+    doing the worker's claim statement, one awaited JetStream publish per row
+    (``Nats-Msg-Id`` = event_id) with the worker's publish concurrency, and the
+    worker's guarded finish, at the same batch size and payload size; ratio = ours / raw;
+  * commit -> broker-acknowledged latency p50/p99: JoinRoom commands through
+    RoomService (roles api + outbox in one process, mq on NATS) paced at 200 events/s,
+    latency = the row's delivered_at_ms - created_at_ms; beside it the p50/p99 of one
+    bare cycle (claim one row, publish it with acknowledgement, finish it).
+
+Every run uses its own database (dropped afterwards) and its own JetStream stream
+and topic on the shared NATS (deleted afterwards).
+
+    .venv/bin/python -m bench.mq_drain [--backend sqlite|mariadb|both] [--rows N] [--rounds R]
+        [--batch B] [--concurrency C] [--rate EV_PER_S] [--seconds S] [--skip-latency]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import secrets
+import sqlite3
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats
+import sqlalchemy as sa
+from nats.js import api
+from sqlalchemy.engine import make_url
+
+from bench.common import fresh_database, percentile
+from roomservice.bootstrap import API, OUTBOX, Process
+from roomservice.bootstrap.broker import retry_horizon_ms
+from roomservice.bootstrap.outbox import start_outbox_worker
+from roomservice.config import Settings, load_settings
+from roomservice.domain import commands as c
+from roomservice.domain import events as e
+from roomservice.observability.logging import configure_logging
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+from roomservice.store.migrate import upgrade
+from roomservice.wire import encode_event
+
+NATS_URL = os.environ.get("ROOMSERVICE_BENCH_NATS_URL", "nats://127.0.0.1:4222")
+APP = "hyapp"
+ROOMS = 1_000  # rows spread over many rooms: the worker's per-room lanes never defer a row
+DRAIN_TIMEOUT_S = 300.0
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def realistic_event(i: int, now_ms: int) -> e.Event:
+    """One of the events a voice room emits most, with ids of production-like length."""
+    room = f"room_{100_000 + i % ROOMS}"
+    user = f"user_{10_000_000 + i}"
+    kinds: list[e.EventPayload] = [
+        e.RoomUserJoined(user_id=user, role="audience"),
+        e.RoomMicTaken(user_id=user, seat=i % 8),
+        e.RoomGiftSent(
+            sender_id=user,
+            receiver_id=f"user_{20_000_000 + i % 97}",
+            gift_id="rose",
+            count=1 + i % 5,
+            unit_price=10,
+            total_value=10 * (1 + i % 5),
+        ),
+        e.RoomMicLeft(user_id=user, seat=i % 8),
+        e.RoomUserLeft(user_id=user),
+    ]
+    return e.Event(uuid.uuid4().hex, APP, room, i // ROOMS + 2, now_ms, kinds[i % len(kinds)])
+
+
+async def seed(url: str, rows: int) -> int:
+    """``rows`` pending outbox rows; returns the mean payload size in bytes."""
+    db = Database.from_url(url)
+    try:
+        await upgrade(db)
+        now = time.time_ns() // 1_000_000
+        values = []
+        payload_bytes = 0
+        for i in range(rows):
+            ev = realistic_event(i, now)
+            payload = encode_event(ev)
+            payload_bytes += len(payload)
+            values.append(
+                dict(
+                    event_id=ev.event_id,
+                    app_code=APP,
+                    room_id=ev.room_id,
+                    room_version=ev.room_version,
+                    event_type=ev.type,
+                    payload=payload,
+                    status="pending",
+                    retry_count=0,
+                    targets_done="",
+                    due_at_ms=now,
+                    created_at_ms=now,
+                    updated_at_ms=now,
+                )
+            )
+        async with db.write() as conn:
+            for start in range(0, rows, 2_000):
+                await conn.execute(sa.insert(t.room_outbox), values[start : start + 2_000])
+        return payload_bytes // max(1, rows)
+    finally:
+        await db.dispose()
+
+
+async def outbox_statuses(url: str) -> dict[str, int]:
+    db = Database.from_url(url)
+    try:
+        async with db.read() as conn:
+            result = await conn.execute(
+                sa.select(t.room_outbox.c.status, sa.func.count()).group_by(t.room_outbox.c.status)
+            )
+            return {status: int(n) for status, n in result.all()}
+    finally:
+        await db.dispose()
+
+
+# --------------------------------------------------------------------------- NATS
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """This run's stream and topic (subject): unique, so nothing else on the shared server overlaps."""
+
+    stream: str
+    topic: str
+
+    @classmethod
+    def fresh(cls, what: str) -> Names:
+        token = secrets.token_hex(4)
+        return cls(stream=f"bench_{what}_{token}", topic=f"bench_{what}_{token}_room_outbox")
+
+
+async def stream_messages(stream: str) -> int:
+    nc = await nats.connect(NATS_URL)
+    try:
+        return int((await nc.jetstream().stream_info(stream)).state.messages)
+    finally:
+        await nc.close()
+
+
+async def delete_stream(stream: str) -> None:
+    nc = await nats.connect(NATS_URL)
+    try:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await nc.jetstream().delete_stream(stream)
+    finally:
+        await nc.close()
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def mq_settings(url: str, data_dir: str, names: Names, *, batch: int | None, concurrency: int | None) -> Settings:
+    overrides: dict[str, object] = {
+        "database.url": url,
+        "outbox_worker.publish_mode": "mq",
+        "rocketmq.room_outbox.enabled": True,
+        "rocketmq.room_outbox.topic": names.topic,
+        "broker.driver": "nats",
+        "broker.nats.url": NATS_URL,
+        "broker.nats.stream": names.stream,
+    }
+    if batch is not None:
+        overrides["outbox_worker.batch_size"] = batch
+    if concurrency is not None:
+        overrides["outbox_worker.publish_concurrency"] = concurrency
+    return load_settings().with_data_dir(Path(data_dir)).with_overrides(overrides)
+
+
+async def ours_drain(backend: str, rows: int, batch: int | None, concurrency: int | None) -> dict[str, float]:
+    names = Names.fresh("ours")
+    async with fresh_database(backend) as url:
+        payload = await seed(url, rows)
+        try:
+            with tempfile.TemporaryDirectory() as data_dir:
+                settings = mq_settings(url, data_dir, names, batch=batch, concurrency=concurrency)
+                async with Process.running(settings, roles={OUTBOX}, loops=False) as rt:
+                    worker = rt.worker
+                    assert worker is not None
+                    # The end of the drain is the commit of the finish that reaches N rows: count
+                    # what the repository's finish reports changed (no polling on the hot path).
+                    repo = worker.repository
+                    finish = repo.finish
+                    finished = 0
+                    all_done = asyncio.Event()
+
+                    async def counting_finish(**kwargs: Any) -> int:
+                        nonlocal finished
+                        changed = await finish(**kwargs)
+                        finished += changed
+                        if finished >= rows:
+                            all_done.set()
+                        return changed
+
+                    repo.finish = counting_finish  # type: ignore[method-assign]
+                    started = time.perf_counter()
+                    start_outbox_worker(rt.core, worker)
+                    await asyncio.wait_for(all_done.wait(), timeout=DRAIN_TIMEOUT_S)
+                    elapsed = time.perf_counter() - started
+                    options = worker.options
+            statuses = await outbox_statuses(url)
+            stored = await stream_messages(names.stream)
+        finally:
+            await delete_stream(names.stream)
+    if statuses != {"delivered": rows} or stored != rows:
+        raise AssertionError(f"ours: statuses {statuses}, {stored} messages in the stream, expected {rows}")
+    return {
+        "rate": rows / elapsed,
+        "seconds": elapsed,
+        "batch": options.batch_size,
+        "concurrency": options.publish_concurrency,
+        "payload": payload,
+    }
+
+
+# --------------------------------------------------------------------------- raw: the bare drivers
+
+_COLUMNS = (
+    "id, event_id, app_code, room_id, room_version, event_type, payload, retry_count, targets_done, created_at_ms"
+)
+
+# The worker's SQLite claim (roomservice.outbox.sql.SQLITE_CLAIM), written out.
+_SQLITE_CLAIM = f"""
+UPDATE room_outbox SET status = 'delivering', lock_until_ms = :until, lock_owner = :owner, due_at_ms = :until,
+       updated_at_ms = :now
+WHERE id IN (
+  SELECT id FROM (
+    SELECT id, 0 AS priority, due FROM (
+      SELECT id, due_at_ms AS due FROM room_outbox WHERE status = 'pending' ORDER BY due_at_ms LIMIT :limit)
+    UNION ALL SELECT id, 1 AS priority, due FROM (
+      SELECT id, due_at_ms AS due FROM room_outbox WHERE status = 'retryable' AND due_at_ms <= :now
+      ORDER BY due_at_ms LIMIT :limit)
+    UNION ALL SELECT id, 2 AS priority, due FROM (
+      SELECT id, due_at_ms AS due FROM room_outbox WHERE status = 'delivering' AND due_at_ms <= :now
+      ORDER BY due_at_ms LIMIT :limit)
+  ) ORDER BY priority, due LIMIT :limit)
+RETURNING {_COLUMNS}
+"""
+_FINISH_SET = (
+    "UPDATE room_outbox SET status = 'delivered', lock_until_ms = NULL, lock_owner = NULL, last_error = NULL, "
+    "targets_done = {p}, due_at_ms = {p}, updated_at_ms = {p}, delivered_at_ms = {p} "
+    "WHERE id IN ({ids}) AND status = 'delivering' AND lock_owner = {p}"
+)
+_MYSQL_CLAIM_SELECT = (
+    f"SELECT {_COLUMNS} FROM room_outbox WHERE status = %s {{due}}ORDER BY due_at_ms LIMIT %s FOR UPDATE SKIP LOCKED"
+)
+_MYSQL_MARK = (
+    "UPDATE room_outbox SET status = 'delivering', lock_until_ms = %s, lock_owner = %s, due_at_ms = %s, "
+    "updated_at_ms = %s WHERE id IN ({ids})"
+)
+LOCK_MS = 30_000
+
+
+class RawSqlite:
+    """sqlite3 (stdlib) on the loop's thread: WAL, synchronous=NORMAL, BEGIN IMMEDIATE per write."""
+
+    def __init__(self, url: str) -> None:
+        path = make_url(url).database
+        assert path
+        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        for pragma in ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=NORMAL", "PRAGMA busy_timeout=5000"):
+            self.conn.execute(pragma)
+
+    async def claim(self, owner: str, now: int, limit: int) -> list[tuple[Any, ...]]:
+        self.conn.execute("BEGIN IMMEDIATE")
+        rows = self.conn.execute(
+            _SQLITE_CLAIM, {"owner": owner, "now": now, "until": now + LOCK_MS, "limit": limit}
+        ).fetchall()
+        self.conn.execute("COMMIT")
+        return rows
+
+    async def finish(self, owner: str, now: int, ids: list[int]) -> int:
+        sql = _FINISH_SET.format(p="?", ids=",".join("?" * len(ids)))
+        self.conn.execute("BEGIN IMMEDIATE")
+        changed = self.conn.execute(sql, ["broker", now, now, now, *ids, owner]).rowcount
+        self.conn.execute("COMMIT")
+        return changed
+
+    async def close(self) -> None:
+        self.conn.close()
+
+
+class RawMariaDB:
+    """asyncmy, READ COMMITTED: the worker's claim SELECTs (FOR UPDATE SKIP LOCKED) + UPDATE by id, then finish."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    @classmethod
+    async def connect(cls, url: str) -> RawMariaDB:
+        import asyncmy
+
+        u = make_url(url)
+        conn = await asyncmy.connect(
+            host=u.host or "127.0.0.1",
+            port=u.port or 3306,
+            user=u.username or "root",
+            password=u.password or "",
+            database=u.database,
+            charset="utf8mb4",
+            autocommit=False,
+        )
+        async with conn.cursor() as cur:
+            await cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        await conn.commit()
+        return cls(conn)
+
+    async def claim(self, owner: str, now: int, limit: int) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = []
+        async with self.conn.cursor() as cur:
+            for status, due in (
+                ("pending", ""),
+                ("retryable", "AND due_at_ms <= %s "),
+                ("delivering", "AND due_at_ms <= %s "),
+            ):
+                missing = limit - len(rows)
+                if missing <= 0:
+                    break
+                params = (status, now, missing) if due else (status, missing)
+                await cur.execute(_MYSQL_CLAIM_SELECT.format(due=due), params)
+                rows.extend(await cur.fetchall())
+            if rows:
+                ids = [r[0] for r in rows]
+                await cur.execute(
+                    _MYSQL_MARK.format(ids=",".join(["%s"] * len(ids))),
+                    (now + LOCK_MS, owner, now + LOCK_MS, now, *ids),
+                )
+        await self.conn.commit()
+        return rows
+
+    async def finish(self, owner: str, now: int, ids: list[int]) -> int:
+        async with self.conn.cursor() as cur:
+            changed = await cur.execute(
+                _FINISH_SET.format(p="%s", ids=",".join(["%s"] * len(ids))), ("broker", now, now, now, *ids, owner)
+            )
+        await self.conn.commit()
+        return int(changed)
+
+    async def close(self) -> None:
+        self.conn.close()
+
+
+async def open_raw(url: str) -> RawSqlite | RawMariaDB:
+    return RawSqlite(url) if url.startswith("sqlite") else await RawMariaDB.connect(url)
+
+
+class RawPublisher:
+    """nats-py: one awaited JetStream publish per row (Nats-Msg-Id = event_id), ``concurrency`` at a time."""
+
+    def __init__(self, nc: Any, names: Names, concurrency: int) -> None:
+        self.js = nc.jetstream()
+        self.names = names
+        self.concurrency = concurrency
+
+    @classmethod
+    async def open(cls, names: Names, settings: Settings, concurrency: int) -> tuple[Any, RawPublisher]:
+        """A connection and the stream, configured as the NATS broker configures its own."""
+        nc = await nats.connect(NATS_URL)
+        nats_config = settings.broker.nats
+        window_s = max(nats_config.duplicate_window.total_seconds(), retry_horizon_ms(settings) / 1000)
+        await nc.jetstream().add_stream(
+            api.StreamConfig(
+                name=names.stream,
+                subjects=[names.topic],
+                retention=api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                discard=api.DiscardPolicy.OLD,
+                max_age=nats_config.max_age.total_seconds(),
+                duplicate_window=window_s,
+                num_replicas=nats_config.replicas,
+            )
+        )
+        return nc, cls(nc, names, concurrency)
+
+    async def publish_all(self, rows: list[tuple[Any, ...]]) -> None:
+        semaphore = asyncio.Semaphore(self.concurrency)
+        topic, stream = self.names.topic, self.names.stream
+
+        async def one(row: tuple[Any, ...]) -> None:
+            async with semaphore:
+                await self.js.publish(topic, bytes(row[6]), timeout=5.0, stream=stream, headers={"Nats-Msg-Id": row[1]})
+
+        await asyncio.gather(*(one(row) for row in rows))
+
+
+async def raw_drain(backend: str, rows: int, batch: int, concurrency: int) -> dict[str, float]:
+    names = Names.fresh("raw")
+    async with fresh_database(backend) as url:
+        payload = await seed(url, rows)
+        with tempfile.TemporaryDirectory() as data_dir:
+            settings = mq_settings(url, data_dir, names, batch=batch, concurrency=concurrency)
+        nc, publisher = await RawPublisher.open(names, settings, concurrency)
+        store = await open_raw(url)
+        try:
+            owner = f"raw-{uuid.uuid4().hex[:12]}"
+            finished = 0
+            started = time.perf_counter()
+            while finished < rows:
+                claimed = await store.claim(owner, time.time_ns() // 1_000_000, batch)
+                if not claimed:
+                    raise AssertionError(f"raw: nothing left to claim after {finished} of {rows} rows")
+                await publisher.publish_all(claimed)
+                finished += await store.finish(owner, time.time_ns() // 1_000_000, [r[0] for r in claimed])
+            elapsed = time.perf_counter() - started
+            await store.close()
+            statuses = await outbox_statuses(url)
+            stored = await stream_messages(names.stream)
+        finally:
+            await nc.close()
+            await delete_stream(names.stream)
+    if statuses != {"delivered": rows} or stored != rows:
+        raise AssertionError(f"raw: statuses {statuses}, {stored} messages in the stream, expected {rows}")
+    return {"rate": rows / elapsed, "seconds": elapsed, "payload": payload}
+
+
+async def raw_cycle(backend: str, cycles: int) -> list[float]:
+    """Latency (ms) of one bare cycle: claim one row, publish it with acknowledgement, finish it."""
+    names = Names.fresh("cycle")
+    async with fresh_database(backend) as url:
+        await seed(url, cycles)
+        with tempfile.TemporaryDirectory() as data_dir:
+            settings = mq_settings(url, data_dir, names, batch=None, concurrency=None)
+        nc, publisher = await RawPublisher.open(names, settings, 1)
+        store = await open_raw(url)
+        latencies = []
+        try:
+            for _ in range(cycles):
+                start = time.perf_counter()
+                claimed = await store.claim("cycle", time.time_ns() // 1_000_000, 1)
+                await publisher.publish_all(claimed)
+                await store.finish("cycle", time.time_ns() // 1_000_000, [r[0] for r in claimed])
+                latencies.append((time.perf_counter() - start) * 1000)
+        finally:
+            await store.close()
+            await nc.close()
+            await delete_stream(names.stream)
+    return latencies
+
+
+# --------------------------------------------------------------------------- latency through RoomService
+
+
+async def commit_to_acked(backend: str, *, rate: int, seconds: float) -> dict[str, float]:
+    names = Names.fresh("lat")
+    rooms = 50
+    async with fresh_database(backend) as url:
+        try:
+            with tempfile.TemporaryDirectory() as data_dir:
+                settings = mq_settings(url, data_dir, names, batch=None, concurrency=None)
+                async with Process.running(settings, roles={API, OUTBOX}) as rt:
+                    svc = rt.service
+                    for r in range(rooms):
+                        await svc.execute(
+                            APP, f"room_{r}", f"create-{r}", c.CreateRoom(owner_id=f"owner_{r}", title="latency")
+                        )
+                    total = int(rate * seconds)
+                    tasks: list[asyncio.Task[Any]] = []
+                    start = time.perf_counter()
+                    for i in range(total):  # open loop: one command every 1/rate s, whatever the last one took
+                        delay = start + i / rate - time.perf_counter()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        tasks.append(
+                            asyncio.create_task(
+                                svc.execute(APP, f"room_{i % rooms}", f"join-{i}", c.JoinRoom(user_id=f"user_{i}"))
+                            )
+                        )
+                    await asyncio.gather(*tasks)
+                    sent_for = time.perf_counter() - start
+                    latencies = await _delivered_latencies(rt, total)
+        finally:
+            await delete_stream(names.stream)
+    return {
+        "p50": percentile(latencies, 0.5),
+        "p99": percentile(latencies, 0.99),
+        "max": max(latencies, default=0.0),
+        "n": float(len(latencies)),
+        "expected": float(total),
+        "achieved_rate": total / sent_for,
+    }
+
+
+async def _delivered_latencies(rt: Process, expected: int) -> list[float]:
+    o = t.room_outbox.c
+    deadline = time.monotonic() + 60
+    while True:
+        async with rt.db.read() as conn:
+            result = await conn.execute(
+                sa.select(o.created_at_ms, o.delivered_at_ms).where(o.event_type == "RoomUserJoined")
+            )
+            pairs = result.all()
+        delivered = [float(d - created) for created, d in pairs if d is not None]
+        if len(delivered) >= expected or time.monotonic() > deadline:
+            return delivered
+        await asyncio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- main
+
+
+async def run(args: argparse.Namespace) -> None:
+    backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
+    defaults = load_settings().outbox_worker
+    batch = args.batch or defaults.batch_size
+    concurrency = args.concurrency or defaults.publish_concurrency
+    for backend in backends:
+        ratios = []
+        for round_ in range(1, args.rounds + 1):
+            # alternate the order so neither side always runs on a warmer machine
+            steps: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+                ("ours", lambda b=backend: ours_drain(b, args.rows, batch, concurrency)),  # type: ignore[misc]
+                ("raw", lambda b=backend: raw_drain(b, args.rows, batch, concurrency)),  # type: ignore[misc]
+            ]
+            if round_ % 2 == 0:
+                steps.reverse()
+            results = {name: await step() for name, step in steps}
+            ours, raw = results["ours"], results["raw"]
+            ratio = ours["rate"] / raw["rate"]
+            ratios.append(ratio)
+            print(
+                f"[{backend}] round {round_}: mq drain {ours['rate']:7.0f} events/s ({ours['seconds']:.2f} s)   "
+                f"raw claim+js.publish+finish {raw['rate']:7.0f} events/s ({raw['seconds']:.2f} s)   "
+                f"ratio {ratio:.2f}x (target >= 0.80)   [{args.rows} rows, batch {ours['batch']:.0f}, "
+                f"publish concurrency {ours['concurrency']:.0f}, payload {ours['payload']:.0f} B]",
+                flush=True,
+            )
+        if len(ratios) > 1:
+            print(f"[{backend}] ratio over {len(ratios)} rounds: {min(ratios):.2f}-{max(ratios):.2f}x", flush=True)
+        if args.skip_latency:
+            continue
+        lat = await commit_to_acked(backend, rate=args.rate, seconds=args.seconds)
+        cycle = await raw_cycle(backend, 200)
+        print(
+            f"[{backend}] commit -> broker-acked at {args.rate} events/s for {args.seconds:g} s "
+            f"(achieved {lat['achieved_rate']:.0f}/s): p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms, "
+            f"max {lat['max']:.0f} ms over {lat['n']:.0f}/{lat['expected']:.0f} events;   "
+            f"bare cycle (claim 1 + js.publish + finish): p50 {percentile(cycle, 0.5):.1f} ms, "
+            f"p99 {percentile(cycle, 0.99):.1f} ms; p99 ratio {lat['p99'] / max(percentile(cycle, 0.99), 1e-9):.1f}x "
+            f"(issue 12 target <= 3x)",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--rounds", type=int, default=2, help="ours/raw pairs per backend, order alternating")
+    parser.add_argument("--batch", type=int, default=0, help="outbox_worker.batch_size (default: the configured)")
+    parser.add_argument(
+        "--concurrency", type=int, default=0, help="outbox_worker.publish_concurrency (default: the configured)"
+    )
+    parser.add_argument("--rate", type=int, default=200, help="events/s of the latency run")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
+    parser.add_argument("--skip-latency", action="store_true")
+    args = parser.parse_args()
+    configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    print(
+        f"mq drain benchmark (NATS at {NATS_URL}); {os.cpu_count()} cpus; python {sys.version.split()[0]}", flush=True
+    )
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
