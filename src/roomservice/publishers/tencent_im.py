@@ -68,6 +68,7 @@ class SentSteps:
 
     def __init__(self, db: Database, *, clock: Callable[[], int]) -> None:
         self._db = db
+        self.db = db  # the store the record lives in (the IM bridge reads the room's outbox rows there)
         self._clock = clock
         self._insert = db.insert_ignoring_duplicates(t.im_sent_event)
         self._select = sa.select(t.im_sent_event.c.operation).where(
@@ -123,6 +124,23 @@ def message_data(event: e.Event) -> str:
     )
 
 
+def steps_of(event_type: str) -> frozenset[str]:
+    """The steps an event of this type takes, the last one recorded last."""
+    if event_type == "RoomCreated":
+        return frozenset({GROUP})
+    if event_type == "RoomUserKicked":
+        return frozenset({MEMBER, MESSAGE})
+    if event_type == "RoomClosed":
+        return frozenset({MESSAGE, DESTROY})
+    return frozenset({MESSAGE})
+
+
+def message_step_of(event_type: str) -> str:
+    """The step that says a room's client-visible effect of this event happened (its message;
+    RoomCreated, which has none, its group)."""
+    return GROUP if event_type == "RoomCreated" else MESSAGE
+
+
 class TencentImPublisher:
     name = Target.IM.value
 
@@ -133,6 +151,14 @@ class TencentImPublisher:
 
     def group_of(self, app_code: str, room_id: str) -> str:
         return group_id_for(app_code, room_id, group_type=self.group_type)
+
+    async def already_sent(self, event: e.Event) -> bool:
+        """Has every IM step of ``event`` been recorded as done (so publishing it would send nothing)?
+        A RoomCreated whose group we destroyed since counts as done: it never brings the group back."""
+        done = await self.steps.done(e.dedup_id(event))
+        if isinstance(event.payload, e.RoomCreated):
+            return GROUP in done or await self.steps.destroyed(self.group_of(event.app_code, event.room_id))
+        return steps_of(event.type) <= done
 
     async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
         try:
