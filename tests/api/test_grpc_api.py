@@ -459,3 +459,21 @@ def test_the_committed_modules_are_generated_from_the_committed_proto(tmp_path: 
     for name in ("room_api_pb2.py", "room_api_pb2.pyi", "room_api_pb2_grpc.py"):
         generated = (tmp_path / "roomservice/proto" / name).read_text()
         assert generated == (root / "src/roomservice/proto" / name).read_text(), f"{name}: run scripts/gen-proto"
+
+
+async def test_bytes_that_are_not_the_request_are_invalid_argument_not_unknown(faces: Faces) -> None:
+    valid = {
+        "CreateRoom": pb.CreateRoomRequest(app_code="demo", room_id="r1", command_id="c1", owner_id="a", title="xy"),
+        "GetRoom": pb.GetRoomRequest(app_code="demo", room_id="xy"),
+    }
+    async with grpc.aio.insecure_channel(faces.api.target) as channel:
+        for method, request in valid.items():
+            not_utf8 = request.SerializeToString().replace(b"xy", b"\xff\xfe")  # a string field must be UTF-8
+            truncated = b"\x0a\x7f"  # field 1 says 127 bytes follow
+            call = channel.unary_unary(f"/roomservice.v1.RoomApi/{method}")
+            for raw in (not_utf8, truncated):
+                with capture_logs() as logs:
+                    assert await _refused(call(raw)) == (S.INVALID_ARGUMENT, "invalid_argument")
+                timings = [e for e in logs if e["event"] == "room_command_timing"]
+                assert [e["result"] for e in timings] == (["invalid_argument"] if method == "CreateRoom" else [])
+    assert faces.process.service.registry.peek("demo", "r1") is None

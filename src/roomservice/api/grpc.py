@@ -7,7 +7,8 @@ input with the same error codes. Validation is the HTTP code itself: a request
 becomes the body dict the HTTP route would have read and is validated by the
 same pydantic model (:mod:`roomservice.api.schemas`); the path parameters of
 HTTP (``app_code``, ``room_id``) are checked by the same limits
-(:mod:`roomservice.domain.limits`).
+(:mod:`roomservice.domain.limits`). Bytes that do not decode as the request are
+``invalid_argument`` too (:func:`add_room_api`; grpc alone would answer UNKNOWN).
 
 Error code → gRPC status (the HTTP status for comparison):
 
@@ -64,7 +65,7 @@ import grpc.aio
 from fastapi.exceptions import RequestValidationError
 from google.protobuf import json_format
 from google.protobuf.any_pb2 import Any as AnyProto
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
@@ -77,7 +78,6 @@ from roomservice.domain import limits as lim
 from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.proto import room_api_pb2 as pb
-from roomservice.proto import room_api_pb2_grpc as pb_grpc
 from roomservice.service import RoomService
 
 _log = get_logger("roomservice.api.grpc")
@@ -397,6 +397,56 @@ async def _abort(context: grpc.aio.ServicerContext, exc: errors.RoomServiceError
     raise AssertionError("context.abort returned")  # it raises
 
 
+# --------------------------------------------------------------------------- registration
+
+
+class _Undecodable:
+    """A request whose bytes are not its message (invalid UTF-8 in a string, a truncated field...)."""
+
+    def __init__(self, type_name: str, error: str) -> None:
+        self.type_name = type_name
+        self.error = error
+
+
+def _decoder(message_type: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def decode(data: bytes) -> Message | _Undecodable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:  # grpc would answer UNKNOWN, without an error code
+            return _Undecodable(message_type.DESCRIPTOR.full_name, str(exc))
+
+    return decode
+
+
+def _guarded(
+    rpc: str, behaviour: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]
+) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]:
+    async def call(request: Message | _Undecodable, context: grpc.aio.ServicerContext) -> Message:
+        if isinstance(request, _Undecodable):
+            exc = errors.InvalidArgument(f"the request is not a valid {request.type_name}: {request.error}")
+            if rpc in _COMMANDS:  # its one timing line, as for any refused command (no id is readable)
+                CommandTiming(command=rpc, app_code="", room_id="", command_id="", result=exc.code).emit()
+            await _abort(context, exc)
+        return await behaviour(request, context)
+
+    return call
+
+
+def add_room_api(server: grpc.aio.Server, servicer: RoomApiServicer) -> None:
+    """Register ``servicer`` as ``roomservice.v1.RoomApi`` (what the generated ``add_RoomApiServicer_to_server``
+    does, except that a request that does not decode is ``invalid_argument``, not UNKNOWN)."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["RoomApi"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        reply_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _guarded(method.name, getattr(servicer, method.name)),
+            request_deserializer=_decoder(request_type),
+            response_serializer=reply_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 # --------------------------------------------------------------------------- running server
 
 
@@ -461,7 +511,7 @@ async def start_room_api(
         # no SO_REUSEPORT: a second server on a taken port must fail, not silently share it
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", lim.MAX_BODY_BYTES), *options],
     )
-    pb_grpc.add_RoomApiServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    add_room_api(server, servicer)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = format_target(host, port)
     try:
