@@ -299,6 +299,9 @@ class DatabaseConfig(_UrlWithPassword):
 class RedisConfig(_UrlWithPassword):
     url: str = "redis://127.0.0.1:6379/0"
     password: SecretStr = SecretStr("")
+    # bounds of one Redis call: reading a reply, and connecting; a call fails by their sum
+    socket_timeout: PositiveDuration = _d("1s")
+    socket_connect_timeout: PositiveDuration = _d("1s")
     # every key this service writes starts with it (projections); processes sharing one
     # deployment use the same prefix, two deployments on one Redis different ones
     key_prefix: str = Field(default="roomservice:", pattern=r"^[A-Za-z0-9_.:-]{0,64}$")
@@ -374,6 +377,21 @@ class AdminConfig(_Block):
 class LeaseConfig(_Block):
     driver: Literal["inprocess", "redis"] = "inprocess"
     ttl: PositiveDuration = _d("10s")
+    # a held lease is renewed this long after its last confirmed renewal (well before expiry)
+    renew_every: PositiveDuration = _d("3s")
+    # a lease stops serving this long before it could have expired in Redis
+    safety_margin: PositiveDuration = _d("2s")
+
+    @model_validator(mode="after")
+    def _check(self) -> LeaseConfig:
+        if self.safety_margin >= self.ttl:
+            _fail(f"must be < lease.ttl ({format_duration(self.ttl)})", "safety_margin")
+        if self.renew_every >= self.ttl - self.safety_margin:
+            _fail(
+                f"must be < lease.ttl - lease.safety_margin ({format_duration(self.ttl - self.safety_margin)})",
+                "renew_every",
+            )
+        return self
 
 
 class NatsConfig(_Block):
@@ -735,7 +753,7 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         ("redis.*",), lambda s: s.lease.driver != "redis", "lease.driver is not redis: only Redis leases use it"
     ),
     InactiveRule(
-        ("lease.ttl",),
+        ("lease.ttl", "lease.renew_every", "lease.safety_margin"),
         lambda s: s.lease.driver == "inprocess",
         "lease.driver is inprocess: in-process leases never expire",
     ),

@@ -9,15 +9,22 @@ adds one subclass here or imports ``LeaseContract`` into its own module.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import ClassVar
 
 import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+from tests.conftest import RequireService
 
 from roomservice.leases.fake import FakeLeases
 from roomservice.leases.inprocess import InProcessLeases
 from roomservice.leases.port import Lease, LeaseManager, LeaseUnavailable
+from roomservice.leases.redis import RedisLeases
 
 APP, OTHER_APP = "app_1", "app_2"
 ROOM, OTHER_ROOM = "room-1", "room-2"
@@ -212,6 +219,97 @@ class TestFakeLeases(LeaseContract):
     async def lose_by_theft(self, leases: LeaseManager, lease: Lease) -> Lease:
         assert isinstance(leases, FakeLeases)
         return leases.steal(lease.app_code, lease.room_id)
+
+
+class ManualClock:
+    """``time.monotonic()`` that the test can also move ahead: losing a Redis lease is noticed at
+    the lease's next renewal point, without waiting for it."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def advance(self, seconds: float) -> None:
+        self.offset += seconds
+
+
+REDIS_TTL_S, REDIS_RENEW_S, REDIS_MARGIN_S = 10.0, 3.0, 2.0
+
+
+class TestRedisLeases(LeaseContract):
+    """Redis leases against the shared Redis (keys under a unique prefix, deleted after).
+
+    The holder's clock is manual: a lease lost in Redis (deleted, expired, overwritten) is
+    noticed by ``ensure`` at the lease's renewal point, so the hooks move the clock past it.
+    """
+
+    __test__ = True
+
+    @pytest_asyncio.fixture
+    async def leases(self, require_service: RequireService) -> AsyncIterator[RedisLeases]:
+        require_service("Redis", "127.0.0.1", 6379)
+        client = aioredis.Redis(host="127.0.0.1", port=6379, decode_responses=True, socket_timeout=2.0)
+        prefix = f"test-leases-{uuid.uuid4().hex[:12]}:"
+        leases = self._manager(client, prefix, ManualClock(), owner="holder")
+        try:
+            yield leases
+        finally:
+            keys = [key async for key in client.scan_iter(match=prefix + "*")]
+            if keys:
+                await client.delete(*keys)
+            await client.aclose()
+
+    @staticmethod
+    def _manager(client: aioredis.Redis, prefix: str, clock: ManualClock, *, owner: str) -> RedisLeases:
+        return RedisLeases(
+            client,
+            address="127.0.0.1:7000",
+            owner=owner,
+            ttl_s=REDIS_TTL_S,
+            renew_every_s=REDIS_RENEW_S,
+            safety_margin_s=REDIS_MARGIN_S,
+            call_timeout_s=2.0,
+            key_prefix=prefix,
+            clock=clock,
+        )
+
+    @staticmethod
+    def _past_renewal_point(leases: RedisLeases) -> None:
+        assert isinstance(leases.clock, ManualClock)
+        leases.clock.advance(REDIS_RENEW_S + 0.1)
+
+    async def lose_by_revocation(self, leases: LeaseManager, lease: Lease) -> None:
+        assert isinstance(leases, RedisLeases)
+        assert await leases.client.delete(leases.key(lease.app_code, lease.room_id)) == 1
+        self._past_renewal_point(leases)
+
+    async def lose_by_expiry(self, leases: LeaseManager, lease: Lease) -> Lease:
+        assert isinstance(leases, RedisLeases) and isinstance(leases.clock, ManualClock)
+        assert await leases.client.pexpire(leases.key(lease.app_code, lease.room_id), 1)
+        leases.clock.advance(REDIS_TTL_S)  # the holder's deadline passed too
+        return lease
+
+    async def lose_by_theft(self, leases: LeaseManager, lease: Lease) -> Lease:
+        assert isinstance(leases, RedisLeases) and isinstance(leases.clock, ManualClock)
+        key = leases.key(lease.app_code, lease.room_id)
+        await leases.client.pexpire(key, 1)  # the holder's lease ran out in Redis...
+        other = self._manager(leases.client, leases.key_prefix, leases.clock, owner="other-process")
+        thief = await _acquire_when_free(other, lease.app_code, lease.room_id)  # ...and another process took it
+        self._past_renewal_point(leases)
+        return thief
+
+
+async def _acquire_when_free(leases: RedisLeases, app_code: str, room_id: str) -> Lease:
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            return await leases.acquire(app_code, room_id)
+        except LeaseUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.005)
 
 
 # --------------------------------------------------------------------------- the fake's own controls

@@ -18,6 +18,22 @@ class LeaseUnavailable(errors.Retry):
     """Another process holds the room's lease; the command answers ``503 retry``."""
 
 
+class LeaseBackendUnavailable(errors.Unavailable):
+    """The lease store (Redis) did not answer in time: the lease cannot be confirmed, and the
+    command answers ``503 unavailable`` (retry with the same command_id). Not a
+    :class:`LeaseUnavailable`: nothing says the lease was lost, so the cell is kept until its
+    lease could have expired."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOwner:
+    """Who holds a room's lease, as the lease value names it (for forwarding a command to it)."""
+
+    owner: str  # the holding process's identity
+    address: str  # its internal address, ``host:port``
+    token: str
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     app_code: str
