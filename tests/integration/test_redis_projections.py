@@ -33,6 +33,7 @@ from tests.service.conftest import Clock, make_settings
 from roomservice.api.app import ApiContext, create_app
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.domain import commands as c
+from roomservice.domain.state import RoomState
 from roomservice.projections.port import RoomListEntry
 from roomservice.projections.redis import ProjectionsUnavailable, RedisProjections, connect, store_loader
 
@@ -108,14 +109,21 @@ async def shared_redis(require_service: RequireService, prefix: str) -> AsyncIte
 
 
 async def with_redis_projections(
-    stack: AsyncExitStack, tmp_path: Path, name: str, *, redis_url: str, prefix: str, timeout_s: float = 1.0
+    stack: AsyncExitStack,
+    tmp_path: Path,
+    name: str,
+    *,
+    redis_url: str,
+    prefix: str,
+    timeout_s: float = 1.0,
+    clock: Clock | None = None,
 ) -> Process:
     """A Process on the test's one database whose projections are Redis (rebuilt from its store)."""
     data_dir = tmp_path / name
     data_dir.mkdir()
     settings = make_settings(f"sqlite+aiosqlite:///{tmp_path}/room.db", data_dir)
     process = await stack.enter_async_context(
-        Process.running(settings, clock=Clock(), roles=(API, MAINTENANCE), loops=False)
+        Process.running(settings, clock=clock or Clock(), roles=(API, MAINTENANCE), loops=False)
     )
     projections = RedisProjections.from_url(
         redis_url, prefix=prefix, loader=store_loader(process.store), timeout_s=timeout_s
@@ -218,9 +226,13 @@ async def test_redis_emptied_rebuilds_from_the_database_on_the_next_read(
     tmp_path: Path, shared_redis: Redis, prefix: str
 ) -> None:
     async with AsyncExitStack() as stack:
-        one = await with_redis_projections(stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        clock = Clock()
+        one = await with_redis_projections(
+            stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix, clock=clock
+        )
         two = await with_redis_projections(stack, tmp_path, "two", redis_url=SHARED_REDIS_URL, prefix=prefix)
         await create(one, "small")
+        clock.advance(1_000)
         await create(one, "big")
         await create(one, "gone")
         for user in ("bob", "carol"):
@@ -236,9 +248,32 @@ async def test_redis_emptied_rebuilds_from_the_database_on_the_next_read(
         assert all(got == before for got in reads)
         assert projections_of(two).rebuilds == 1  # single flight: five reads, one rebuild
         assert await present(two, "carol") == "big"
-        assert await present(two, "owner") in ("big", "small")  # the owner of both open rooms
+        assert await present(two, "owner") == "big"  # the owner of both open rooms joined big last
         assert await present(one, "nobody") is None
         assert projections_of(one).rebuilds == 1  # the marker is back: the other process did not rebuild
+
+
+async def test_a_rebuild_puts_a_user_of_several_rooms_in_the_one_joined_last(shared_redis: Redis, prefix: str) -> None:
+    scratch = RedisProjections(shared_redis, prefix=f"{prefix}scratch:")
+    first, second, third = (Room(scratch, r) for r in ("a-first", "b-second", "c-third"))
+    for offset, room in enumerate((first, second, third)):  # created in this order, 100 ms apart
+        room.now_ms += offset * 100
+        await room.create()
+    for offset, room in enumerate((first, third, second)):  # joined in this order, each a minute later
+        room.now_ms += offset * 60_000
+        await room.join("bob")  # bob's latest join: b-second (the owner's: c-third, created last)
+    states = [room.state for room in (first, second, third) if room.state is not None]
+    assert len(states) == 3
+    for n, order in enumerate((states, states[::-1])):
+        projections = RedisProjections(shared_redis, prefix=f"{prefix}{n}:")
+
+        async def load(order: list[RoomState] = order) -> list[RoomState]:
+            return order
+
+        assert await projections.rebuild_if_empty(load) is True
+        assert await projections.room_of(APP, "bob") == "b-second"
+        assert await projections.room_of(APP, "owner") == "c-third"
+        assert await projections.rebuild_if_empty(load) is False  # the marker is there now
 
 
 async def test_without_a_loader_an_emptied_redis_answers_what_it_has(shared_redis: Redis, prefix: str) -> None:

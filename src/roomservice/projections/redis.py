@@ -12,7 +12,9 @@ share a cluster slot and one script may touch them all):
   A closed room keeps ``v`` alone (a tombstone that expires after a day), so a
   late update of an older version cannot bring it back.
 * ``P members:{app}:<room_id>`` — set, the members the presence hash credits to the room.
-* ``P presence:{app}`` — hash, user_id -> room_id.
+* ``P presence:{app}`` — hash, user_id -> room_id; ``P joined:{app}`` — hash, user_id -> when they
+  joined that room (ms). A user who is a member of several rooms is present in the one joined last,
+  whatever order the updates (or a rebuild) arrive in.
 * ``P projections:built`` — the marker: set after a rebuild from the database.
   Redis without it has lost (or never had) the projections.
 
@@ -58,9 +60,10 @@ Loader: TypeAlias = Callable[[], Awaitable[Sequence[RebuildItem]]]
 
 APPLIED, STALE, NEED_FULL = 0, 1, 2
 
-# KEYS: rooms zset, room hash, members set, presence hash
-# ARGV: version, mode (diff|full|entry), base version, room_id, open ("1"/"0"),
-#       score, zmember, tombstone ttl ms, n, then n users (diff: added; full: all members), then (diff) removed users
+# KEYS: rooms zset, room hash, members set, presence hash, joined-at hash
+# ARGV: version, mode (diff|full|entry), base version, room_id, open ("1"/"0"), score, zmember,
+#       tombstone ttl ms, n, then n (user, joined_at_ms) pairs (diff: who joined; full: every member),
+#       then (diff) the users who left
 _APPLY: Final = """
 local version = tonumber(ARGV[1])
 local stored = tonumber(redis.call('HGET', KEYS[2], 'v') or '0')
@@ -73,25 +76,34 @@ end
 local room_id = ARGV[4]
 local open = ARGV[5] == '1'
 local n = tonumber(ARGV[9])
+local last = 9 + 2 * n
 local function forget(user)
   redis.call('SREM', KEYS[3], user)
-  if redis.call('HGET', KEYS[4], user) == room_id then redis.call('HDEL', KEYS[4], user) end
+  if redis.call('HGET', KEYS[4], user) == room_id then
+    redis.call('HDEL', KEYS[4], user)
+    redis.call('HDEL', KEYS[5], user)
+  end
 end
-local function credit(user)
+-- a user in several rooms is present in the one joined last
+local function credit(user, joined_at)
   redis.call('SADD', KEYS[3], user)
-  redis.call('HSET', KEYS[4], user, room_id)
+  local since = tonumber(redis.call('HGET', KEYS[5], user) or '-1')
+  if redis.call('HGET', KEYS[4], user) == room_id or tonumber(joined_at) >= since then
+    redis.call('HSET', KEYS[4], user, room_id)
+    redis.call('HSET', KEYS[5], user, joined_at)
+  end
 end
 if mode == 'diff' then
-  for i = 10, 9 + n do credit(ARGV[i]) end
-  for i = 10 + n, #ARGV do forget(ARGV[i]) end
+  for i = 10, last, 2 do credit(ARGV[i], ARGV[i + 1]) end
+  for i = last + 1, #ARGV do forget(ARGV[i]) end
 elseif mode == 'full' then
   local now = {}
-  for i = 10, 9 + n do now[ARGV[i]] = true end
+  for i = 10, last, 2 do now[ARGV[i]] = true end
   for _, user in ipairs(redis.call('SMEMBERS', KEYS[3])) do
     if not now[user] then forget(user) end
   end
-  for i = 10, 9 + n do
-    if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then credit(ARGV[i]) end
+  for i = 10, last, 2 do
+    if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then credit(ARGV[i], ARGV[i + 1]) end
   end
 end
 local old = redis.call('HGET', KEYS[2], 'z')
@@ -194,7 +206,13 @@ class RedisProjections:
     def _keys(self, app_code: str, room_id: str) -> list[str]:
         tag = f"{{{app_code}}}"
         p = self.prefix
-        return [f"{p}rooms:{tag}", f"{p}room:{tag}:{room_id}", f"{p}members:{tag}:{room_id}", f"{p}presence:{tag}"]
+        return [
+            f"{p}rooms:{tag}",
+            f"{p}room:{tag}:{room_id}",
+            f"{p}members:{tag}:{room_id}",
+            f"{p}presence:{tag}",
+            f"{p}joined:{tag}",
+        ]
 
     def _rooms_key(self, app_code: str) -> str:
         return f"{self.prefix}rooms:{{{app_code}}}"
@@ -205,23 +223,25 @@ class RedisProjections:
     # ---------------------------------------------------------------- writes
 
     async def room_changed(self, before: RoomState | None, after: RoomState) -> None:
-        now = list(after.members) if after.status != CLOSED else []
+        now = after.members if after.status != CLOSED else {}
         old = before.members if before is not None else {}
-        added = [u for u in now if u not in old]
-        kept = set(now)
-        removed = [u for u in old if u not in kept]
+        joined = [(u, at) for u, at in now.items() if u not in old]
+        left = [u for u in old if u not in now]
         base = before.version if before is not None else 0
+        entry = RoomListEntry.of(after)
         async with self._bounded("room_changed"):
-            result = await self._run(RoomListEntry.of(after), "diff", base, added, removed)
+            result = await self._run(entry, "diff", base, joined, left)
             if result == NEED_FULL:
-                await self._run(RoomListEntry.of(after), "full", 0, now, [])
+                await self._run(entry, "full", 0, list(now.items()), [])
 
     async def seed(self, entries: list[RoomListEntry]) -> None:
         async with self._bounded("seed"):
             for entry in entries:
                 await self._run(entry, "entry", 0, [], [])
 
-    async def _run(self, entry: RoomListEntry, mode: str, base: int, users: list[str], removed: list[str]) -> int:
+    async def _run(
+        self, entry: RoomListEntry, mode: str, base: int, users: list[tuple[str, int]], removed: list[str]
+    ) -> int:
         args: list[str | int] = [
             entry.version,
             mode,
@@ -232,7 +252,7 @@ class RedisProjections:
             _sort_member(entry),
             self.tombstone_ttl_ms,
             len(users),
-            *users,
+            *(part for user, joined_at in users for part in (user, joined_at)),
             *removed,
         ]
         return int(await self._apply(keys=self._keys(entry.app_code, entry.room_id), args=args))
