@@ -434,3 +434,38 @@ async def test_a_lease_redis_forgot_in_a_restart_is_lost_at_its_next_renewal(
     assert "was lost" in reason, reason
     fresh = await leases.acquire(APP, ROOM)  # the room can be taken again (with a new epoch, by its registry)
     assert fresh.token != lease.token
+
+
+async def test_commands_answer_503_unavailable_while_redis_is_away_and_recover_by_themselves(
+    outage: tuple[Manager, float], own_redis: OwnRedisServer, database: Database
+) -> None:
+    manager, bound = outage
+    leases = manager.new("proc-a", ttl_s=4.0, renew_every_s=0.3, safety_margin_s=1.0, renewing=True)
+    service = room_service(database, leases, FakeWallet())
+    await service.execute(APP, ROOM, "c1", c.CreateRoom(owner_id="olivia", title="Friday"))
+    own_redis.kill()
+
+    # a room no cell holds yet: its lease cannot be taken
+    error, took = await timed(service.execute(APP, "room-2", "n1", c.CreateRoom(owner_id="olivia", title="Two")))
+    assert isinstance(error, errors.Unavailable) and error.code == "unavailable", error
+    assert took < bound + SLACK, took
+    # the loaded room, once past its renewal point: its lease cannot be confirmed
+    await until(lambda: leases.clock() >= renewal_point(leases, leases.held()[0]), within_s=1.0, what="renewal")
+    error, took = await timed(service.execute(APP, ROOM, "c2", c.JoinRoom(user_id="alice")))
+    assert isinstance(error, errors.Unavailable) and error.code == "unavailable", error
+    assert took < bound + SLACK, took
+    assert await logged(database) == [("c1", 1)]  # nothing half-written
+
+    own_redis.start()  # back, empty: the same service and manager carry on, retries with the same ids succeed
+    body = await eventually(
+        lambda: service.execute(APP, ROOM, "c2", c.JoinRoom(user_id="alice")), within_s=3.0, what="c2 after Redis"
+    )
+    assert body["version"] == 2
+    created = await eventually(
+        lambda: service.execute(APP, "room-2", "n1", c.CreateRoom(owner_id="olivia", title="Two")),
+        within_s=3.0,
+        what="n1 after Redis",
+    )
+    assert created["version"] == 1
+    assert await logged(database) == [("c1", 1), ("c2", 2)]
+    await service.registry.close()
