@@ -73,6 +73,15 @@ class OwnRedis:
                 time.sleep(0.05)
         raise AssertionError("redis-server did not listen in time")
 
+    def pause(self) -> None:
+        """A hung Redis: connections stay open, nothing is answered (SIGSTOP)."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         if self.process is not None:
             os.kill(self.process.pid, signal.SIGKILL)
@@ -90,6 +99,15 @@ def own_redis() -> Iterator[OwnRedis]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(params=["sqlite", "mariadb"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The one database the test's processes share."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path}/room.db"
+    url: str = request.getfixturevalue("fresh_mariadb_url")
+    return url
 
 
 @pytest.fixture
@@ -117,11 +135,12 @@ async def with_redis_projections(
     prefix: str,
     timeout_s: float = 1.0,
     clock: Clock | None = None,
+    database_url: str | None = None,
 ) -> Process:
     """A Process on the test's one database whose projections are Redis (rebuilt from its store)."""
     data_dir = tmp_path / name
     data_dir.mkdir()
-    settings = make_settings(f"sqlite+aiosqlite:///{tmp_path}/room.db", data_dir)
+    settings = make_settings(database_url or f"sqlite+aiosqlite:///{tmp_path}/room.db", data_dir)
     process = await stack.enter_async_context(
         Process.running(settings, clock=clock or Clock(), roles=(API, MAINTENANCE), loops=False)
     )
@@ -161,10 +180,13 @@ async def present(process: Process, user_id: str) -> object:
 # --------------------------------------------------------------------------- shared by processes
 
 
-async def test_two_processes_see_each_others_rooms_and_users(tmp_path: Path, shared_redis: Redis, prefix: str) -> None:
+async def test_two_processes_see_each_others_rooms_and_users(
+    tmp_path: Path, database_url: str, shared_redis: Redis, prefix: str
+) -> None:
+    shared = {"redis_url": SHARED_REDIS_URL, "prefix": prefix, "database_url": database_url}
     async with AsyncExitStack() as stack:
-        one = await with_redis_projections(stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix)
-        two = await with_redis_projections(stack, tmp_path, "two", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        one = await with_redis_projections(stack, tmp_path, "one", **shared)
+        two = await with_redis_projections(stack, tmp_path, "two", **shared)
         await create(one, "r-one")
         await create(two, "r-two", owner="ann")
         await run(two, "r-two", c.JoinRoom(user_id="bob"))
@@ -223,14 +245,13 @@ async def test_a_lost_update_is_repaired_by_the_next(shared_redis: Redis, prefix
 
 
 async def test_redis_emptied_rebuilds_from_the_database_on_the_next_read(
-    tmp_path: Path, shared_redis: Redis, prefix: str
+    tmp_path: Path, database_url: str, shared_redis: Redis, prefix: str
 ) -> None:
+    shared = {"redis_url": SHARED_REDIS_URL, "prefix": prefix, "database_url": database_url}
     async with AsyncExitStack() as stack:
         clock = Clock()
-        one = await with_redis_projections(
-            stack, tmp_path, "one", redis_url=SHARED_REDIS_URL, prefix=prefix, clock=clock
-        )
-        two = await with_redis_projections(stack, tmp_path, "two", redis_url=SHARED_REDIS_URL, prefix=prefix)
+        one = await with_redis_projections(stack, tmp_path, "one", clock=clock, **shared)
+        two = await with_redis_projections(stack, tmp_path, "two", **shared)
         await create(one, "small")
         clock.advance(1_000)
         await create(one, "big")
@@ -331,6 +352,27 @@ async def test_redis_down_fails_fast_and_everything_recovers_when_it_returns(
         await create(process, "r2")
         assert await room_ids(process) == ["r1", "r2"]  # r1 has two members (bob's join while Redis was away)
         assert await present(process, "bob") == "r1"
+
+
+async def test_a_hung_redis_is_unavailable_within_the_bound_and_answers_again_when_it_wakes(
+    own_redis: OwnRedis, prefix: str
+) -> None:
+    projections = RedisProjections.from_url(own_redis.url, prefix=prefix, timeout_s=0.3)  # calls bounded by 0.6 s
+    try:
+        room = Room(projections, "r1")
+        await room.create()
+        own_redis.pause()
+        for call in (room.join("bob"), projections.list_rooms(APP, limit=10), projections.room_of(APP, "owner")):
+            started = time.monotonic()
+            with pytest.raises(ProjectionsUnavailable):
+                await call
+            assert time.monotonic() - started < 3.0  # the socket timeouts cut it, not a hang
+        own_redis.resume()
+        state = await room.join("carol")  # Redis still holds v1: bob's lost join is repaired by this whole list
+        assert await projections.list_rooms(APP, limit=10) == [RoomListEntry.of(state)]
+        assert await projections.room_of(APP, "bob") == "r1"
+    finally:
+        await projections.close()
 
 
 # --------------------------------------------------------------------------- HTTP

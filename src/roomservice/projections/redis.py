@@ -53,6 +53,7 @@ _log = get_logger("roomservice.projections.redis")
 HEAT_MAX: Final = 2**63 - 1  # room_meta.heat is a signed 64-bit integer: 19 digits
 _HEAT_DIGITS: Final = 19
 TOMBSTONE_TTL_MS: Final = 86_400_000
+REBUILD_CONCURRENCY: Final = 8  # rooms written to Redis at once during a rebuild
 
 # What a rebuild loads: full room states (list entry and presence) or list entries alone.
 RebuildItem: TypeAlias = RoomState | RoomListEntry
@@ -192,9 +193,22 @@ class RedisProjections:
 
     @classmethod
     def from_url(
-        cls, url: str, *, prefix: str, loader: Loader | None = None, timeout_s: float = 1.0
+        cls,
+        url: str,
+        *,
+        prefix: str,
+        loader: Loader | None = None,
+        timeout_s: float = 1.0,
+        rebuild_timeout_s: float = 30.0,
     ) -> RedisProjections:
-        return cls(connect(url, timeout_s=timeout_s), prefix=prefix, loader=loader, timeout_s=2 * timeout_s)
+        """A client of its own on ``url``; every call fails within ``2 * timeout_s`` (one retry)."""
+        return cls(
+            connect(url, timeout_s=timeout_s),
+            prefix=prefix,
+            loader=loader,
+            timeout_s=2 * timeout_s,
+            rebuild_timeout_s=rebuild_timeout_s,
+        )
 
     async def close(self) -> None:
         if self._rebuild is not None and not self._rebuild.done():
@@ -302,11 +316,16 @@ class RedisProjections:
         try:
             async with asyncio.timeout(self.rebuild_timeout_s):
                 items = await load()
-                for item in items:
-                    if isinstance(item, RoomState):
-                        await self.room_changed(None, item)  # a diff from nothing: falls back to full when needed
-                    else:
-                        await self.seed([item])
+                gate = asyncio.Semaphore(REBUILD_CONCURRENCY)
+
+                async def put(item: RebuildItem) -> None:
+                    async with gate:
+                        if isinstance(item, RoomState):
+                            await self.room_changed(None, item)  # a diff from nothing, or the whole member list
+                        else:
+                            await self.seed([item])
+
+                await asyncio.gather(*(put(item) for item in items))
                 await self.client.set(self.marker_key, "1")
         except ProjectionsUnavailable:
             raise
