@@ -320,6 +320,21 @@ async def test_a_failing_rebuild_is_unavailable_and_retried_by_the_next_read(sha
     assert calls == 2
 
 
+async def test_a_rebuild_that_hangs_is_cut_by_its_bound(shared_redis: Redis, prefix: str) -> None:
+    never = asyncio.Event()
+
+    async def load() -> list[RoomListEntry]:
+        await never.wait()  # a database that does not answer
+        return []
+
+    projections = RedisProjections(shared_redis, prefix=prefix, loader=load, rebuild_timeout_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(ProjectionsUnavailable, match="rebuild failed"):
+        await projections.room_of(APP, "bob")
+    assert time.monotonic() - started < 5.0
+    assert await shared_redis.exists(projections.marker_key) == 0  # nothing claims a rebuild happened
+
+
 # --------------------------------------------------------------------------- Redis down
 
 
