@@ -469,3 +469,34 @@ async def test_commands_answer_503_unavailable_while_redis_is_away_and_recover_b
     assert created["version"] == 1
     assert await logged(database) == [("c1", 1), ("c2", 2)]
     await service.registry.close()
+
+
+async def test_a_lease_lost_while_redis_hangs_evicts_the_rooms_cell_through_on_lost(
+    outage: tuple[Manager, float], own_redis: OwnRedisServer, sqlite_database: Database
+) -> None:
+    """The wiring the process uses: ``on_lost`` discards the room's cell, so nothing serves it any more."""
+    manager, _bound = outage
+    leases = manager.new("proc-a", ttl_s=2.0, renew_every_s=0.2, safety_margin_s=1.0, renewing=True)
+    service = room_service(sqlite_database, leases, FakeWallet())
+    registry = service.registry
+
+    def evict(app_code: str, room_id: str) -> None:
+        cell = registry.peek(app_code, room_id)
+        if cell is not None:
+            registry.discard(cell)
+
+    leases.on_lost = evict
+    await service.execute(APP, ROOM, "c1", c.CreateRoom(owner_id="olivia", title="Friday"))
+    cell = registry.peek(APP, ROOM)
+    assert cell is not None
+    own_redis.pause()
+    await until(lambda: registry.peek(APP, ROOM) is None, within_s=2.0 + SLACK, what="eviction")
+    assert cell.retired
+    own_redis.resume()
+    body = await eventually(
+        lambda: service.execute(APP, ROOM, "c2", c.JoinRoom(user_id="alice")), within_s=3.0, what="reload"
+    )
+    assert body["version"] == 2
+    reloaded = registry.peek(APP, ROOM)
+    assert reloaded is not None and reloaded.epoch > cell.epoch  # taken again, with a new fencing epoch
+    await registry.close()

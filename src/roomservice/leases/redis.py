@@ -367,7 +367,7 @@ class RedisLeases:
                 await self._report_lost(key)
 
     async def _report_lost(self, key: tuple[str, str]) -> None:
-        if self.on_lost is None:
+        if self.on_lost is None or key in self._held:  # already taken again: the room's cell is fresh
             return
         try:
             result = self.on_lost(*key)
