@@ -21,7 +21,8 @@
     │   └── PayloadTooLarge              payload_too_large
     ├── Unavailable                      unavailable      a dependency is down; retryable
     │   ├── StoreUnavailable             (store.port)     the database did not answer; a write's outcome is unknown
-    │   └── WalletUnavailable            (wallet.port)    the wallet did not answer; the debit may have happened
+    │   ├── WalletUnavailable            (wallet.port)    the wallet did not answer; the debit may have happened
+    │   └── LeaseBackendUnavailable      (leases.port)    Redis did not answer: the room's lease cannot be confirmed
     ├── Retry                            retry            lost a lease or version race; retryable
     │   ├── StoreConflict                (store.port)     SaveMutation's guard did not match
     │   │   └── CommandIdTaken           (store.port)     another writer logged the command_id first
