@@ -624,15 +624,7 @@ class NotYetAvailable:
 
 
 NOT_YET_AVAILABLE: tuple[NotYetAvailable, ...] = (
-    NotYetAvailable("rocketmq.enabled", True, "no RocketMQ client is built", "use false"),
-    NotYetAvailable(
-        "rocketmq.room_outbox.tencent_im_consumer_enabled",
-        True,
-        "the IM bridge consumer is not built",
-        "use false (with publish_mode direct the outbox worker delivers IM itself)",
-    ),
     NotYetAvailable("lease.driver", "redis", "scale-out is not built", "use 'inprocess'"),
-    NotYetAvailable("broker.driver", "rocketmq", "no RocketMQ broker is built", "use 'embedded'"),
 )
 
 
@@ -710,12 +702,16 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
             "rocketmq.name_server_domain",
             "rocketmq.access_key",
             "rocketmq.secret_key",
-            "rocketmq.namespace",
             "rocketmq.send_timeout",
             "rocketmq.retry",
         ),
         lambda s: not (s.broker.driver == "rocketmq" and _broker_in_use(s)),
         "broker.driver is not rocketmq, or nothing uses the broker: only the RocketMQ driver connects to RocketMQ",
+    ),
+    InactiveRule(
+        ("rocketmq.namespace",),
+        lambda s: not (s.broker.driver in ("rocketmq", "nats") and _broker_in_use(s)),
+        "only the RocketMQ driver (namespace) and the NATS driver (subject prefix) use it, and only with a broker in use",
     ),
     InactiveRule(
         ("rocketmq.room_outbox.enabled", "rocketmq.room_outbox.producer_group"),

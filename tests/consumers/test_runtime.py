@@ -199,3 +199,30 @@ async def _lag(broker: FakeBroker, n: int) -> bool:
 
 async def _dead(broker: FakeBroker, n: int) -> bool:
     return len(await broker.dead_letters(GROUP)) == n
+
+
+async def test_ordered_by_key_handles_one_rooms_deliveries_in_fetch_order_and_rooms_concurrently(
+    broker: FakeBroker,
+) -> None:
+    order: list[str] = []
+    release_r1 = asyncio.Event()
+
+    class Slow:
+        group, topic = GROUP, TOPIC
+
+        async def handle(self, delivery: Delivery) -> Outcome:
+            if delivery.key == "r1-a":
+                await release_r1.wait()  # the room's first message is slow
+            order.append(delivery.key)
+            return Outcome.APPLIED
+
+    runtime = ConsumerRuntime(broker, [(Slow(), options(ordered_by_key=True))])
+    for key, room in [("r1-a", "r1"), ("r1-b", "r1"), ("r2-a", "r2")]:
+        await broker.publish(OutgoingMessage(topic=TOPIC, body=b"x", key=key, sharding_key=room), timeout_s=1)
+    runtime.start()
+    await until(lambda: order == ["r2-a"])  # another room is not held up
+    await asyncio.sleep(0.05)
+    assert order == ["r2-a"]  # r1-b waits for r1-a
+    release_r1.set()
+    await until(lambda: order == ["r2-a", "r1-a", "r1-b"])
+    await runtime.shutdown(grace_s=1)

@@ -98,18 +98,8 @@ SECRETS = [
 
 
 # What loading docker.yaml and tencent-cloud.yaml says until scale-out and the brokers are built.
-DOCKER_UNAVAILABLE = (
-    "rocketmq.room_outbox.tencent_im_consumer_enabled: true is not available yet (the IM bridge consumer is not "
-    "built); use false (with publish_mode direct the outbox worker delivers IM itself)",
-    "lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",
-)
-TENCENT_UNAVAILABLE = (
-    "rocketmq.enabled: true is not available yet (no RocketMQ client is built); use false",
-    "rocketmq.room_outbox.tencent_im_consumer_enabled: true is not available yet (the IM bridge consumer is not "
-    "built); use false (with publish_mode direct the outbox worker delivers IM itself)",
-    "lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",
-    "broker.driver: 'rocketmq' is not available yet (no RocketMQ broker is built); use 'embedded'",
-)
+DOCKER_UNAVAILABLE = ("lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",)
+TENCENT_UNAVAILABLE = ("lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",)
 
 
 @pytest.fixture

@@ -94,8 +94,6 @@ def test_check_of_the_docker_sample_names_every_choice_not_built_yet() -> None:
     lines = result.stderr.splitlines()
     assert lines[0] == f"config error in {CONFIGS / 'docker.yaml'}:"
     assert lines[1:] == [
-        "  - rocketmq.room_outbox.tencent_im_consumer_enabled: true is not available yet (the IM bridge consumer is "
-        "not built); use false (with publish_mode direct the outbox worker delivers IM itself)",
         "  - lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",
     ]
 

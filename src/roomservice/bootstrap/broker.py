@@ -32,9 +32,17 @@ class GroupSpec:
 
 
 def consumer_groups(settings: Settings) -> list[GroupSpec]:
-    """The enabled groups (the outbox groups' own switches come with their consumers)."""
+    """The groups this configuration enables, each with its own switch."""
     mq = settings.rocketmq
+    outbox = mq.room_outbox
+    outbox_max = 1 + outbox.consumer_max_reconsume_times
     groups = []
+    if settings.consumers.activity.enabled:
+        groups.append(GroupSpec(settings.consumers.activity.group, outbox.topic, outbox_max))
+    if settings.consumers.notice.enabled:
+        groups.append(GroupSpec(settings.consumers.notice.group, outbox.topic, outbox_max))
+    if outbox.tencent_im_consumer_enabled:
+        groups.append(GroupSpec(outbox.tencent_im_consumer_group, outbox.topic, outbox_max))
     if mq.treasure_open.enabled:
         t = mq.treasure_open
         groups.append(GroupSpec(t.consumer_group, t.topic, 1 + t.consumer_max_reconsume_times))

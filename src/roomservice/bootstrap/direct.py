@@ -28,19 +28,26 @@ EMBEDDED_SDK_APP_ID = 1_400_000_000  # the in-process IM sandbox's app when none
 
 
 @dataclass(slots=True)
+class ImParts:
+    """The Tencent IM client of this process, the publisher on it, and the in-process sandbox if it serves one."""
+
+    client: TencentImClient
+    publisher: TencentImPublisher
+    sandbox: RunningSandbox | None = None
+
+
+@dataclass(slots=True)
 class DirectTargets:
     publishers: dict[str, Publisher] = field(default_factory=dict)
-    im: TencentImPublisher | None = None
-    sandbox: RunningSandbox | None = None
     activity_service: RunningActivityService | None = None
 
 
-async def build_direct_targets(core: Core, *, skip: frozenset[str] = frozenset()) -> DirectTargets:
-    """The publishers of the direct mode that ``skip`` (targets given by the caller) does not name."""
+async def build_direct_targets(core: Core, *, im: ImParts | None, skip: frozenset[str] = frozenset()) -> DirectTargets:
+    """The publishers of the direct mode that ``skip`` (targets given by the caller) does not name;
+    ``im`` is the process's IM (None when tencent_im is disabled or the caller gives the target)."""
     targets = DirectTargets()
-    if IM not in skip and core.settings.tencent_im.enabled:
-        targets.im = await _start_im(core, targets)
-        targets.publishers[IM] = targets.im
+    if IM not in skip and im is not None:
+        targets.publishers[IM] = im.publisher
     if ACTIVITY not in skip:
         target = core.settings.activity.target
         if not target:
@@ -54,8 +61,10 @@ async def build_direct_targets(core: Core, *, skip: frozenset[str] = frozenset()
     return targets
 
 
-async def _start_im(core: Core, targets: DirectTargets) -> TencentImPublisher:
+async def start_im(core: Core) -> ImParts:
+    """The IM client (and the sandbox behind it in the embedded mode), closed with the process."""
     config = core.settings.tencent_im
+    sandbox: RunningSandbox | None = None
     if config.base_url:
         client = TencentImClient.from_config(config)
     else:
@@ -72,7 +81,6 @@ async def _start_im(core: Core, targets: DirectTargets) -> TencentImPublisher:
             secret_key=secret,
             transport=sandbox.transport(),
         )
-        targets.sandbox = sandbox
         core.health.register("im_sandbox", _http_check(f"{sandbox.base_url}/_sandbox/healthz", sandbox.transport()))
         kept = sandbox.state.persistence()
         _log.info(
@@ -83,7 +91,8 @@ async def _start_im(core: Core, targets: DirectTargets) -> TencentImPublisher:
             replayed=kept["replayed"],
         )
     core.stack.push_async_callback(client.aclose)
-    return TencentImPublisher(client, SentSteps(core.db, clock=core.clock), group_type=config.group_type)
+    publisher = TencentImPublisher(client, SentSteps(core.db, clock=core.clock), group_type=config.group_type)
+    return ImParts(client=client, publisher=publisher, sandbox=sandbox)
 
 
 def _http_check(url: str, transport: httpx.AsyncBaseTransport | None) -> Check:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from roomservice.bootstrap.core import Core, ms
-from roomservice.bootstrap.direct import DirectTargets, build_direct_targets
+from roomservice.bootstrap.direct import DirectTargets, ImParts, build_direct_targets
 from roomservice.brokers.port import Broker
 from roomservice.outbox.model import BROKER, TREASURE_WAKEUP, PublishMode
 from roomservice.outbox.policy import RetryPolicy
@@ -25,6 +25,7 @@ async def build_outbox_worker(
     repository: SqlOutboxRepository,
     timer: TreasureScheduler,
     broker: Broker | None,
+    im: ImParts | None,
     publishers: Mapping[str, Publisher],
 ) -> tuple[OutboxWorker, DirectTargets]:
     """The worker with every target its publish mode needs; ``publishers`` add or replace targets (tests).
@@ -37,7 +38,7 @@ async def build_outbox_worker(
     mode = PublishMode(outbox.publish_mode)
     direct = DirectTargets()
     if mode in (PublishMode.DIRECT, PublishMode.DUAL):
-        direct = await build_direct_targets(core, skip=frozenset(publishers))
+        direct = await build_direct_targets(core, im=im, skip=frozenset(publishers))
     scheduler = timer
     targets: dict[str, Publisher] = dict(direct.publishers)
     if broker is not None:

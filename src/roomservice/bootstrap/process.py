@@ -17,9 +17,9 @@ from roomservice.activity.service import RunningActivityService
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.broker import broker_check, consumer_groups, open_broker, publishes_to_broker
 from roomservice.bootstrap.commands import Commands, build_commands
-from roomservice.bootstrap.consumers import build_consumers, needs_commands, start_consumers
+from roomservice.bootstrap.consumers import build_consumers, needs_commands, needs_im, start_consumers
 from roomservice.bootstrap.core import Core
-from roomservice.bootstrap.direct import DirectTargets
+from roomservice.bootstrap.direct import DirectTargets, ImParts, start_im
 from roomservice.bootstrap.maintenance import Maintenance, build_maintenance
 from roomservice.bootstrap.outbox import build_outbox_worker, start_outbox_worker
 from roomservice.brokers.port import Broker
@@ -68,6 +68,7 @@ class Process:
     maintenance: Maintenance | None = None
     broker: Broker | None = None
     consumers: ConsumerRuntime | None = None
+    im: ImParts | None = None
 
     # ------------------------------------------------------------------ the parts, by name
 
@@ -111,7 +112,7 @@ class Process:
 
     @property
     def sandbox(self) -> RunningSandbox | None:
-        return self.direct.sandbox if self.direct else None
+        return self.im.sandbox if self.im else None
 
     @property
     def activity_service(self) -> RunningActivityService | None:
@@ -195,6 +196,8 @@ class Process:
         specs = [s for s in consumer_groups(settings) if groups is None or s.group in groups]
         if CONSUMERS not in roles:
             specs = []
+        if needs_im(settings, roles, specs, publishers):
+            process.im = await start_im(core)
         if (OUTBOX in roles and publishes_to_broker(settings)) or specs:
             process.broker = await open_broker(settings, db=core.db, clock=core.clock, stack=core.stack)
             core.health.register("broker", broker_check(process.broker), critical=False)
@@ -210,12 +213,13 @@ class Process:
                 repository=repository,
                 timer=process.treasure_timer,
                 broker=process.broker,
+                im=process.im,
                 publishers=publishers,
             )
             if process.commands is not None:
                 process.commands.service.on_outbox_commit.append(process.worker.wake)
-                if process.direct.im is not None:  # CreateRoom creates the group synchronously too
-                    process.commands.service.groups = process.direct.im
+        if process.commands is not None and process.im is not None and API in roles:
+            process.commands.service.groups = process.im.publisher  # CreateRoom creates the IM group synchronously
         worker = process.worker
         process.outbox_admin = OutboxAdmin(core.db, clock=core.clock, on_requeued=worker.wake if worker else None)
         if TIMERS in roles:
@@ -238,7 +242,9 @@ class Process:
             )
         if specs:
             assert process.broker is not None
-            process.consumers = build_consumers(core, broker=process.broker, commands=process.commands, specs=specs)
+            process.consumers = build_consumers(
+                core, broker=process.broker, commands=process.commands, im=process.im, specs=specs
+            )
         return process
 
     def _start(self) -> None:

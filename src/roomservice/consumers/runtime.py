@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class GroupOptions:
     concurrency: int = 8  # deliveries of one group handled at once
     visibility_s: float = 30.0  # a delivery not acked by then comes back
     wait_s: float = 1.0  # long-poll of one fetch
+    # handle one sharding key's (one room's) deliveries one after the other, in the order they were fetched,
+    # while other keys run concurrently (the IM bridge: a client sees a room's messages in a sensible order)
+    ordered_by_key: bool = False
     backoff: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(initial_backoff_ms=1000, max_backoff_ms=60_000, max_retry_count=1 << 30)
     )
@@ -88,6 +92,7 @@ class GroupRunner:
         self._stopping = asyncio.Event()
         self._slots = asyncio.Semaphore(options.concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._last_of_key: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._fetch_failures = 0
 
@@ -123,9 +128,15 @@ class GroupRunner:
                 continue
             for delivery in deliveries:
                 await self._slots.acquire()
-                task = asyncio.create_task(self._handle(delivery), name=f"consume:{self.group}:{delivery.key}")
+                before = self._last_of_key.get(delivery.sharding_key) if opts.ordered_by_key else None
+                task = asyncio.create_task(
+                    self._handle(delivery, after=before), name=f"consume:{self.group}:{delivery.key}"
+                )
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
+                if opts.ordered_by_key:
+                    self._last_of_key[delivery.sharding_key] = task
+                    task.add_done_callback(functools.partial(self._forget_key, delivery.sharding_key))
 
     async def _declare(self) -> None:
         while not self._stopping.is_set():
@@ -145,7 +156,13 @@ class GroupRunner:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), timeout=delay_s)
 
-    async def _handle(self, delivery: Delivery) -> None:
+    def _forget_key(self, key: str, task: asyncio.Task[None]) -> None:
+        if self._last_of_key.get(key) is task:
+            del self._last_of_key[key]
+
+    async def _handle(self, delivery: Delivery, *, after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:  # the same key's previous delivery goes first (its outcome does not matter here)
+            await asyncio.wait([after])
         group = self.group
         started = time.perf_counter()
         if delivery.delivery_count > 1:
