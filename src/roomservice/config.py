@@ -11,8 +11,8 @@ Pipeline of :func:`load_settings`:
    (``outbox_worker.poll_interval must be > 0``, ``gifts[1].price must be > 0``,
    ``unknown key: room.seat_cuont``);
 4. refuse a choice whose feature is not built yet (one row each in
-   :data:`NOT_YET_AVAILABLE`: ``lease.driver: redis``, a broker, ``publish_mode:
-   mq``...), naming the key, before any check that combines those choices.
+   :data:`NOT_YET_AVAILABLE`, empty today: every choice of the samples is built),
+   naming the key, before any check that combines those choices.
 
 No key is validated and then ignored: it takes effect, fails at step 4, or is
 *inactive* under the chosen drivers (:data:`INACTIVE_RULES`, :func:`inactive_keys`;
@@ -325,6 +325,19 @@ class HttpConfig(_Block):
     body_read_timeout: PositiveDuration = _d("10s")
 
 
+class GrpcConfig(_Block):
+    """The internal gRPC room API every ``serve`` process runs (gateways and forwarding between processes)."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: Int = Field(default=0, ge=0, le=65535)  # 0 = a free port (N processes on one machine, one file)
+    # where other processes reach this one ("host:port"); empty: host and the bound port
+    advertise_address: str = ""
+    # authenticates calls between processes (x-roomservice-peer-secret); required with lease.driver redis
+    shared_secret: SecretStr = SecretStr("")
+    # the deadline of one forwarded call (the hop to the room's owner)
+    forward_timeout: PositiveDuration = _d("3s")
+
+
 class RoomConfig(_Block):
     seat_count: Int = Field(default=8, ge=1, le=20)
     snapshot_every_n: Int = Field(default=50, ge=1)
@@ -505,6 +518,7 @@ class Settings(_Block):
     database: DatabaseConfig = DatabaseConfig()
     redis: RedisConfig = RedisConfig()
     http: HttpConfig = HttpConfig()
+    grpc: GrpcConfig = GrpcConfig()
     room: RoomConfig = RoomConfig()
     gifts: tuple[GiftConfig, ...] = ()
     treasure: TreasureConfig = TreasureConfig()
@@ -551,6 +565,8 @@ class Settings(_Block):
             _fail(f"needs a usable broker: {broker_problem}", "rocketmq.treasure_open.enabled")
         if self.lease.driver == "redis" and not self.redis.url:
             _fail("must be set when lease.driver is redis", "redis.url")
+        if self.lease.driver == "redis" and not self.grpc.shared_secret.get_secret_value():
+            _fail("must be set when lease.driver is redis (it authenticates forwarded calls)", "grpc.shared_secret")
         return self
 
     def _broker_problem(self) -> str | None:
@@ -623,9 +639,7 @@ class NotYetAvailable:
         return f"{self.key}: {_show(self.value)} is not available yet ({self.missing}); {self.instead}"
 
 
-NOT_YET_AVAILABLE: tuple[NotYetAvailable, ...] = (
-    NotYetAvailable("lease.driver", "redis", "scale-out is not built", "use 'inprocess'"),
-)
+NOT_YET_AVAILABLE: tuple[NotYetAvailable, ...] = ()
 
 
 def _show(value: object) -> str:
@@ -711,7 +725,7 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
     InactiveRule(
         ("rocketmq.namespace",),
         lambda s: not (s.broker.driver in ("rocketmq", "nats") and _broker_in_use(s)),
-        "only the RocketMQ driver (namespace) and the NATS driver (subject prefix) use it, and only with a broker in use",
+        "only the RocketMQ driver (namespace) and the NATS driver (subject prefix) use it, with a broker in use",
     ),
     InactiveRule(
         ("rocketmq.room_outbox.enabled", "rocketmq.room_outbox.producer_group"),
@@ -749,6 +763,11 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         ("redis.*",), lambda s: s.lease.driver != "redis", "lease.driver is not redis: only Redis leases use it"
     ),
     InactiveRule(
+        ("grpc.shared_secret", "grpc.forward_timeout"),
+        lambda s: s.lease.driver != "redis",
+        "lease.driver is not redis: one process owns every room, nothing is forwarded between processes",
+    ),
+    InactiveRule(
         ("lease.ttl", "lease.renew_every", "lease.safety_margin"),
         lambda s: s.lease.driver == "inprocess",
         "lease.driver is inprocess: in-process leases never expire",
@@ -770,10 +789,17 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         "outbox_worker.enabled is false: no worker claims outbox rows",
     ),
     InactiveRule(
-        ("tencent_im.*", "activity.target"),
+        ("activity.target",),
         lambda s: not _publishes_direct(s),
-        "no direct publishing: the IM and activity publishers run only with outbox_worker.enabled and publish_mode "
-        "direct or dual",
+        "no direct publishing: the activity publisher runs only with outbox_worker.enabled and publish_mode "
+        "direct or dual (the activity consumer group works in this process's database)",
+    ),
+    InactiveRule(
+        ("tencent_im.*",),
+        lambda s: not (
+            _publishes_direct(s) or s.rocketmq.room_outbox.tencent_im_consumer_enabled or s.consumers.notice.enabled
+        ),
+        "nothing talks to Tencent IM: no direct publishing (publish_mode direct/dual), no IM bridge, no notice group",
     ),
     InactiveRule(
         ("tencent_im.*",),

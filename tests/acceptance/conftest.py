@@ -26,9 +26,20 @@ FAST_RETRIES = {
 }
 
 
+# direct mode, as the seed's code defaults have it (configs/local.yaml runs the mq topology)
+DIRECT = {
+    "outbox_worker.publish_mode": "direct",
+    "rocketmq.room_outbox.enabled": False,
+    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
+    "rocketmq.treasure_open.enabled": False,
+    "consumers.activity.enabled": False,
+    "consumers.notice.enabled": False,
+}
+
+
 @pytest_asyncio.fixture
 async def direct(fresh_mariadb_url: str, tmp_path: Path) -> AsyncIterator[Process]:
-    settings = make_settings(fresh_mariadb_url, tmp_path, **FAST_RETRIES)
+    settings = make_settings(fresh_mariadb_url, tmp_path, **FAST_RETRIES, **DIRECT)
     async with Process.running(settings) as rt:
         assert rt.sandbox is not None and rt.activity_service is not None
         yield rt

@@ -1,10 +1,9 @@
 """The sample configs, started as production starts them: every role of ``serve`` on each file.
 
-configs/local.yaml runs as is (with a temporary data dir). configs/docker.yaml and
-configs/tencent-cloud.yaml do not load until scale-out and the brokers are built
-(tests/unit/test_config.py asserts exactly which of their choices are refused);
-once they do, they get a test here that starts them with their addresses
-overridden from the environment.
+configs/local.yaml runs as is (with a temporary data dir): the mq topology on
+the embedded broker. configs/docker.yaml and configs/tencent-cloud.yaml start
+with their addresses overridden from the environment once everything they
+choose is built (tests/unit/test_config.py asserts which choices are refused).
 """
 
 from __future__ import annotations
@@ -16,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from roomservice.bootstrap import Process
+from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.config import Settings, load_settings
 from roomservice.domain import commands as c
-from roomservice.outbox.model import ACTIVITY, IM, PublishMode
+from roomservice.integrations.tencent_im.client import group_id_for
+from roomservice.outbox.model import BROKER, TREASURE_WAKEUP, PublishMode
 
 LOCAL = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
@@ -39,14 +40,22 @@ async def test_local_sample_runs_with_its_settings_in_effect(tmp_path: Path) -> 
         catalog = {g["id"]: g["price"] for g in process.service.gifts()}
         assert catalog == {g.id: g.price for g in settings.gifts}
         assert catalog["rose"] == 10 and len(catalog) == 5
-        # SQLite under the data dir, direct mode to the in-process IM sandbox and activity service
+        # SQLite under the data dir; the seed's production topology: mq to the embedded broker, four groups
         assert process.db.dialect_name == "sqlite"
         assert (tmp_path / "room.db").is_file()
         assert process.worker is not None
-        assert process.worker.options.mode is PublishMode.DIRECT
+        assert process.worker.options.mode is PublishMode.MQ
         assert process.worker.options.batch_size == settings.outbox_worker.batch_size == 100
-        assert {IM, ACTIVITY} <= set(process.worker.publishers.names)
-        assert process.sandbox is not None and process.activity_service is not None
+        assert set(process.worker.publishers.names) == {BROKER, TREASURE_WAKEUP}
+        assert isinstance(process.broker, EmbeddedBroker)
+        assert process.consumers is not None
+        assert {r.group for r in process.consumers.runners} == {
+            "hyapp-activity-room-outbox",
+            "hyapp-notice-room-outbox",
+            "hyapp-room-im-bridge",
+            "hyapp-room-treasure-open",
+        }
+        assert process.sandbox is not None  # the IM bridge and the notice group talk to the in-process sandbox
         assert "outbox-backlog-metrics" in task_names(process)  # metrics.enabled: true
 
         body = await process.service.execute("demo", "r1", "c1", c.CreateRoom(owner_id="alice", title="Hi"))
@@ -58,6 +67,8 @@ async def test_local_sample_runs_with_its_settings_in_effect(tmp_path: Path) -> 
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.05)
         assert stats.counts["failed"] == 0
+        group = group_id_for("demo", "r1", group_type=settings.tencent_im.group_type)
+        assert process.sandbox.state.group(group) is not None  # created synchronously and by the IM bridge
 
 
 async def test_metrics_disabled_samples_no_backlog(tmp_path: Path) -> None:

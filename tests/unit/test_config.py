@@ -199,7 +199,11 @@ def test_local_sample_is_the_embedded_default() -> None:
     assert s.broker.driver == "embedded"
     assert s.wallet.driver == "embedded"
     assert s.tencent_im.base_url == ""
-    assert s.outbox_worker.publish_mode == "direct"
+    # the seed's production topology in one process: mq on the embedded broker, all four groups
+    assert s.outbox_worker.publish_mode == "mq"
+    assert s.rocketmq.room_outbox.enabled and s.rocketmq.room_outbox.tencent_im_consumer_enabled
+    assert s.rocketmq.treasure_open.enabled
+    assert s.consumers.activity.enabled and s.consumers.notice.enabled
     assert s.rocketmq.enabled is False
     assert s.http.port == 8080
     assert s.treasure.levels == (1000, 5000, 20000)
@@ -212,9 +216,20 @@ def test_local_sample_is_the_embedded_default() -> None:
     assert s.wallet.starting_balance // min(prices.values()) >= 1000
 
 
-def test_local_sample_writes_the_defaults_apart_from_the_gift_catalog() -> None:
+LOCAL_TOPOLOGY = {
+    "outbox_worker.publish_mode": "direct",
+    "rocketmq.room_outbox.enabled": False,
+    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
+    "rocketmq.treasure_open.enabled": False,
+    "consumers.activity.enabled": False,
+    "consumers.notice.enabled": False,
+}
+
+
+def test_local_sample_writes_the_defaults_apart_from_the_gift_catalog_and_the_mq_topology() -> None:
     s = load_settings(PACKAGED / "local.yaml", env={})
-    assert s.model_copy(update={"gifts": ()}) == Settings()
+    code_defaults = s.with_overrides(LOCAL_TOPOLOGY)  # the code's defaults stay the seed's: direct, switches off
+    assert code_defaults.model_copy(update={"gifts": ()}) == Settings()
 
 
 def test_docker_sample_names_every_choice_that_is_not_built_yet() -> None:
@@ -1010,14 +1025,11 @@ def test_every_inactive_rule_names_real_keys() -> None:
 def test_inactive_keys_of_the_embedded_default() -> None:
     inactive = dict(inactive_keys(load_settings(env={})))
     for key in [
-        "broker.driver",
         "broker.nats.url",
-        "broker.embedded.poll_interval",
         "rocketmq.name_servers",
         "rocketmq.secret_key",
-        "rocketmq.room_outbox.topic",
-        "rocketmq.room_outbox.enabled",
-        "rocketmq.treasure_open.topic",
+        "rocketmq.namespace",
+        "activity.target",
         "redis.url",
         "redis.password",
         "lease.ttl",
@@ -1030,9 +1042,14 @@ def test_inactive_keys_of_the_embedded_default() -> None:
     for key in [
         "rocketmq.enabled",
         "rocketmq.treasure_open.enabled",
+        "rocketmq.treasure_open.topic",
+        "rocketmq.room_outbox.topic",
+        "rocketmq.room_outbox.consumer_max_reconsume_times",
+        "broker.driver",
+        "broker.embedded.poll_interval",
+        "consumers.activity.group",
         "outbox_worker.batch_size",
         "tencent_im.base_url",
-        "activity.target",
         "wallet.starting_balance",
         "lease.driver",
         "database.url",

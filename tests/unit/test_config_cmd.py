@@ -36,7 +36,7 @@ def test_check_of_the_packaged_default_prints_its_settings_and_inactive_keys(tmp
     assert printed["gifts"][0] == {"id": "rose", "name": "Rose", "price": 10}
     listed = inactive_section(result.stdout)
     assert sorted(listed) == sorted(key for key, _ in inactive_keys(expected))
-    assert "redis.url" in listed and "broker.driver" in listed and "lease.ttl" in listed
+    assert "redis.url" in listed and "broker.nats.url" in listed and "lease.ttl" in listed
     assert "tencent_im.base_url" not in listed and "outbox_worker.batch_size" not in listed
     assert "# only" not in result.stdout  # every reason is printed once, above its keys
     assert "lease.driver is inprocess: in-process leases never expire" in result.stdout

@@ -34,6 +34,7 @@ import uvicorn
 
 from roomservice.admin.broker_cli import broker_app
 from roomservice.admin.cli import outbox_app
+from roomservice.cli.activity_cmd import leaderboard_command
 from roomservice.cli.config_cmd import config_app
 from roomservice.cli.options import (
     HELP_MARKUP,
@@ -64,6 +65,7 @@ activity_app = typer.Typer(
     help="The reference activity service (gRPC).", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
 )
 app.add_typer(activity_app, name="activity")
+activity_app.command("leaderboard")(leaderboard_command)
 
 
 @app.command()
