@@ -1,13 +1,17 @@
-"""The seed's production topology in one process: mq mode on the embedded broker with the activity, notice,
-IM-bridge and treasure-open groups (issue 9's acceptance on the embedded broker; tests/acceptance runs NATS)."""
+"""The seed's production topology in one process: mq mode with the activity, notice, IM-bridge and
+treasure-open groups, on the embedded broker and on real NATS JetStream (issue 9's acceptance, seed rows 4 and 6)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 import sqlalchemy as sa
 from tests.service.conftest import make_settings
@@ -33,10 +37,34 @@ TOPOLOGY = {
 GROUPS = ("hyapp-activity-room-outbox", "hyapp-notice-room-outbox", "hyapp-room-im-bridge", "hyapp-room-treasure-open")
 
 
+@pytest.fixture(params=["embedded", "nats"])
+def broker_overrides(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The embedded broker, or the shared NATS under a stream and subject namespace of this test alone."""
+    if request.param == "embedded":
+        yield {"broker.driver": "embedded"}
+        return
+    request.getfixturevalue("require_service")("NATS", "127.0.0.1", 4222)
+    tag = secrets.token_hex(4)
+    stream = f"cg_{tag}"
+    yield {"broker.driver": "nats", "broker.nats.stream": stream, "rocketmq.namespace": f"cg{tag}"}
+    asyncio.run(_drop_streams(stream))
+
+
+async def _drop_streams(stream: str) -> None:
+    nc = await nats.connect("nats://127.0.0.1:4222")
+    try:
+        for name in (stream, f"{stream}_dlq"):
+            with contextlib.suppress(Exception):
+                await nc.jetstream().delete_stream(name)
+    finally:
+        await nc.close()
+
+
 @pytest.fixture
-def started(database_url: str, tmp_path: Path) -> Callable[..., Any]:
+def started(database_url: str, tmp_path: Path, broker_overrides: dict[str, Any]) -> Callable[..., Any]:
     def start(**overrides: Any) -> Any:
-        return Process.running(make_settings(database_url, tmp_path, **{**TOPOLOGY, **overrides}))
+        settings = make_settings(database_url, tmp_path, **{**TOPOLOGY, **broker_overrides, **overrides})
+        return Process.running(settings)
 
     return start
 
