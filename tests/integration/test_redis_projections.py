@@ -13,10 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import shutil
-import signal
-import socket
-import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
@@ -28,6 +24,7 @@ import pytest_asyncio
 from redis.asyncio import Redis
 from tests.conftest import RequireService
 from tests.contracts.test_projections import APP, Room, delete_prefix, listed
+from tests.redis_server import REDIS_SERVER, OwnRedisServer
 from tests.service.conftest import Clock, make_settings
 
 from roomservice.api.app import ApiContext, create_app
@@ -38,62 +35,13 @@ from roomservice.projections.port import RoomListEntry
 from roomservice.projections.redis import ProjectionsUnavailable, RedisProjections, connect, store_loader
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-DEADLINE = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class OwnRedis:
-    """``redis-server`` on a free port, nothing persisted: stop (SIGKILL) and start it again on the same port."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert self.process is None
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        end = time.monotonic() + DEADLINE
-        while time.monotonic() < end:
-            assert self.process.poll() is None, "redis-server exited at start"
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("redis-server did not listen in time")
-
-    def pause(self) -> None:
-        """A hung Redis: connections stay open, nothing is answered (SIGSTOP)."""
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.process is not None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-            self.process = None
 
 
 @pytest.fixture
-def own_redis() -> Iterator[OwnRedis]:
+def own_redis() -> Iterator[OwnRedisServer]:
     if not os.path.exists(REDIS_SERVER):
-        pytest.skip("redis-server is not installed")
-    server = OwnRedis()
+        pytest.fail(f"{REDIS_SERVER} is needed for the Redis outage tests", pytrace=False)
+    server = OwnRedisServer()
     server.start()
     try:
         yield server
@@ -339,7 +287,7 @@ async def test_a_rebuild_that_hangs_is_cut_by_its_bound(shared_redis: Redis, pre
 
 
 async def test_redis_down_fails_fast_and_everything_recovers_when_it_returns(
-    tmp_path: Path, own_redis: OwnRedis, prefix: str
+    tmp_path: Path, own_redis: OwnRedisServer, prefix: str
 ) -> None:
     async with AsyncExitStack() as stack:
         process = await with_redis_projections(
@@ -370,7 +318,7 @@ async def test_redis_down_fails_fast_and_everything_recovers_when_it_returns(
 
 
 async def test_a_hung_redis_is_unavailable_within_the_bound_and_answers_again_when_it_wakes(
-    own_redis: OwnRedis, prefix: str
+    own_redis: OwnRedisServer, prefix: str
 ) -> None:
     projections = RedisProjections.from_url(own_redis.url, prefix=prefix, timeout_s=0.3)  # calls bounded by 0.6 s
     try:
