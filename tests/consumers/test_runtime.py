@@ -7,11 +7,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest_asyncio
+from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
 from roomservice.brokers.fake import FakeBroker
 from roomservice.brokers.port import Delivery, OutgoingMessage
 from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Outcome, Redeliver
+from roomservice.observability.logging import get_logger
 from roomservice.outbox.policy import RetryPolicy
 
 TOPIC = "hyapp_room_outbox"
@@ -226,3 +228,21 @@ async def test_ordered_by_key_handles_one_rooms_deliveries_in_fetch_order_and_ro
     release_r1.set()
     await until(lambda: order == ["r2-a", "r1-a", "r1-b"])
     await runtime.shutdown(grace_s=1)
+
+
+async def test_lines_a_handler_logs_name_the_group_and_the_event(broker: FakeBroker) -> None:
+    class Talkative:
+        group, topic = GROUP, TOPIC
+
+        async def handle(self, delivery: Delivery) -> Outcome:
+            get_logger("test").info("handling")
+            return Outcome.APPLIED
+
+    runtime = ConsumerRuntime(broker, [(Talkative(), options())])
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        runtime.start()
+        await publish(broker, "ev-1")
+        await until(lambda: any(e["event"] == "handling" for e in logs))
+        await runtime.shutdown(grace_s=1)
+    line = next(e for e in logs if e["event"] == "handling")
+    assert (line["consumer_group"], line["event_id"]) == (GROUP, "ev-1")

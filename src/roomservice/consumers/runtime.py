@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from structlog.contextvars import bound_contextvars
+
 from roomservice import errors
 from roomservice.brokers.port import Broker, Delivery
 from roomservice.observability import metrics as m
@@ -89,6 +91,7 @@ class GroupRunner:
         self.handler = handler
         self.options = options
         self.counts = GroupCounts()
+        m.consumer_group_started(handler.group)
         self._stopping = asyncio.Event()
         self._slots = asyncio.Semaphore(options.concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -163,6 +166,11 @@ class GroupRunner:
     async def _handle(self, delivery: Delivery, *, after: asyncio.Task[None] | None = None) -> None:
         if after is not None:  # the same key's previous delivery goes first (its outcome does not matter here)
             await asyncio.wait([after])
+        # every line a handler logs names the group and the event (the key is the event_id)
+        with bound_contextvars(consumer_group=self.group, event_id=delivery.key):
+            await self._handle_bound(delivery)
+
+    async def _handle_bound(self, delivery: Delivery) -> None:
         group = self.group
         started = time.perf_counter()
         if delivery.delivery_count > 1:
