@@ -157,7 +157,7 @@ class RoomService:
         try:
             cell.lease = await self.registry.leases.ensure(cell.lease)
         except LeaseUnavailable as exc:
-            await self.registry.retire(cell)
+            await self.registry.retire(cell, lost="ensure")
             raise errors.Retry(str(exc)) from exc
         timing.lease_ms += watch.lap()
 
@@ -229,7 +229,7 @@ class RoomService:
             await self.registry.retire(cell)
             raise errors.Unavailable("database unavailable; retry with the same command_id") from exc
         except StoreConflict as exc:
-            await self.registry.retire(cell)
+            await self.registry.retire(cell, lost="fenced")
             raise errors.Retry("lost the room's lease or version race; retry") from exc
         except BaseException:
             # cancelled (the client went away) or failed mid-commit: the mutation may still

@@ -12,7 +12,7 @@ from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.brokers.port import Broker
 from roomservice.leases.maintenance import DatabaseMaintenanceLock
 from roomservice.observability.logging import get_logger
-from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS
+from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS, sample_db_pool
 from roomservice.outbox.retention import RetentionSweeper
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.timers.treasure import DatabaseTreasureTimer
@@ -37,7 +37,7 @@ class Maintenance:
             core.spawn("broker-retention", self.broker_retention.run(interval_s=60.0))
         core.spawn("command-log-retention", self._prune_command_log(core, interval_s=300.0))
         if core.settings.metrics.enabled:  # the gauges exist only for GET /metrics
-            core.spawn("outbox-backlog-metrics", self._sample_backlog(interval_s=15.0))
+            core.spawn("outbox-backlog-metrics", self._sample_backlog(core, interval_s=15.0))
         core.spawn(
             "wallet-reconcile", self.reconciler.run(interval_s=core.settings.wallet.reconcile_interval.total_seconds())
         )
@@ -56,8 +56,9 @@ class Maintenance:
                 _log.warning("command_log_prune_failed", error=repr(exc))
             await asyncio.sleep(interval_s)
 
-    async def _sample_backlog(self, *, interval_s: float) -> None:
+    async def _sample_backlog(self, core: Core, *, interval_s: float) -> None:
         while True:
+            sample_db_pool(core.db.engine)
             try:
                 stats = await self.outbox_admin.stats()
                 for status, count in stats.counts.items():

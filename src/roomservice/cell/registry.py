@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from roomservice.cell.cell import RoomCell
-from roomservice.leases.port import LeaseManager, LeaseUnavailable
+from roomservice.leases.port import LeaseBackendUnavailable, LeaseManager, LeaseUnavailable
+from roomservice.observability import metrics as m
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import RoomStore
 
@@ -63,7 +64,15 @@ class CellRegistry:
         return cell
 
     async def _load(self, app_code: str, room_id: str) -> RoomCell:
-        lease = await self.leases.acquire(app_code, room_id)
+        try:
+            lease = await self.leases.acquire(app_code, room_id)
+        except LeaseUnavailable:
+            m.LEASE_REFUSED.inc()
+            raise
+        except LeaseBackendUnavailable:
+            m.LEASE_UNAVAILABLE.inc()
+            raise
+        m.LEASE_ACQUIRED.inc()
         try:
             epoch = await self._store.take_lease_epoch(app_code, room_id)
             loaded = await self._store.load_room(app_code, room_id)
@@ -72,8 +81,11 @@ class CellRegistry:
             raise
         return RoomCell(app_code=app_code, room_id=room_id, state=loaded.state, epoch=epoch, lease=lease)
 
-    async def retire(self, cell: RoomCell) -> None:
-        """Drop a cell (fenced off, evicted, or holding no room) and give its lease back."""
+    async def retire(self, cell: RoomCell, *, lost: str | None = None) -> None:
+        """Drop a cell (fenced off, evicted, or holding no room) and give its lease back;
+        ``lost`` names how the lease was found lost (``room_lease_losses_total``), if it was."""
+        if lost is not None and not cell.retired:
+            m.lease_lost(lost)
         cell.retired = True
         key = (cell.app_code, cell.room_id)
         if self._cells.get(key) is cell:
@@ -95,6 +107,12 @@ class CellRegistry:
                 if cell.state is None and not cell.retired:
                     await self.retire(cell)
         raise LeaseUnavailable(f"{app_code}/{room_id} kept moving")
+
+    async def on_lease_lost(self, app_code: str, room_id: str) -> None:
+        """The lease manager's ``on_lost``: the room's lease is gone, so its cell goes too."""
+        cell = self._cells.get((app_code, room_id))
+        if cell is not None:
+            await self.retire(cell, lost="on_lost")
 
     def discard(self, cell: RoomCell) -> None:
         """Retire ``cell`` at once, from any context (a cancelled task may not await again);

@@ -5,7 +5,9 @@ command request refused before it reaches the pipeline (bad JSON, a missing
 field, 413, a body that never came) is emitted by the route instead
 (``roomservice.api.routing``), with the error code as ``result`` and empty
 ids where the request gave no valid ones. Either way it counts once in
-``room_commands_total`` and ``room_command_seconds``.
+``room_commands_total`` and ``room_command_seconds``, and its stages (the
+``*_ms`` fields of :data:`~roomservice.observability.metrics.STAGES`, those that
+ran) go to ``room_command_stage_seconds``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from dataclasses import dataclass, fields
 
 from roomservice.observability.logging import get_logger
-from roomservice.observability.metrics import observe_command
+from roomservice.observability.metrics import observe_command, observe_stages
 
 _log = get_logger("roomservice.command")
 
@@ -46,6 +48,18 @@ class CommandTiming:
             values[key] = round(values[key], 3)
         _log.info("room_command_timing", **values)
         observe_command(self.command, self.result, self.total_ms / 1000.0)
+        observe_stages(
+            self.command,
+            (
+                self.idempotency_ms,
+                self.lease_ms,
+                self.wallet_debit_ms,
+                self.save_mutation_ms,
+                self.snapshot_ms,
+                self.projection_ms,
+                self.total_ms,
+            ),
+        )
 
 
 _FIELDS = tuple(f.name for f in fields(CommandTiming))
