@@ -215,6 +215,10 @@ class NatsBroker:
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream(timeout=op_timeout_s)
+        # Publishes go through a context without a timeout of its own: each caller bounds
+        # the whole call (stream binding, the write, the PubAck) with one asyncio deadline,
+        # so nats-py adds no second timer per message.
+        self._js_pub = nc.jetstream(timeout=None)
         self._config = config
         self.stream = config.stream
         self.dlq_stream = f"{config.stream}_dlq"
@@ -226,6 +230,7 @@ class NatsBroker:
         self._clock = clock
         self._subjects: dict[str, set[str]] = {self.stream: set(), self.dlq_stream: set()}
         self._subjects_lock = asyncio.Lock()
+        self._topic_subjects: dict[str, tuple[str, str]] = {}  # topic -> (subject, delayed subject), validated
         self._groups: dict[str, _Group] = {}
         self._movers: dict[str, asyncio.Task[None]] = {}
         self._closed = False
@@ -246,33 +251,62 @@ class NatsBroker:
     async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
         self._check_connected()
         now = self._clock()
-        delayed = message.deliver_at_ms is not None and message.deliver_at_ms > now
-        headers = {k: v for k, v in message.headers.items() if not _reserved(k)}
-        headers.update(_nonempty({H_KEY: message.key, H_TAG: message.tag, H_SHARDING_KEY: message.sharding_key}))
+        topic = message.topic
+        subjects = self._topic_subjects.get(topic) or self._topic_subjects_of(topic)
+        # The headers in one pass, in the order they always had: the caller's (ours and
+        # the server's reserved names dropped), key, tag, sharding key (when set), then ours.
+        headers = {k: v for k, v in message.headers.items() if not _reserved(k)} if message.headers else {}
+        if message.key:
+            headers[H_KEY] = message.key
+        if message.tag:
+            headers[H_TAG] = message.tag
+        if message.sharding_key:
+            headers[H_SHARDING_KEY] = message.sharding_key
         headers[H_PUBLISHED_AT] = str(now)
         headers[_MSG_ID] = message.key
+        deliver_at = message.deliver_at_ms
+        delayed = deliver_at is not None and deliver_at > now
         if delayed:
-            headers[H_DELIVER_AT] = str(message.deliver_at_ms)
-        subject = self.delayed_subject(message.topic) if delayed else self.subject(message.topic)
+            headers[H_DELIVER_AT] = str(deliver_at)
+        known = self._subjects[self.stream]
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._ensure_topic(message.topic)
-                ack = await self._publish(subject, message.body, headers, stream=self.stream)
+            async with asyncio.timeout(timeout_s):  # the one deadline of this publish
+                if subjects[0] not in known or subjects[1] not in known:
+                    await self._ensure_subjects(self.stream, subjects)
+                ack = await self._publish(
+                    subjects[1] if delayed else subjects[0], message.body, headers, stream=self.stream
+                )
         except TimeoutError:
             raise BrokerUnavailable(f"NATS did not acknowledge the publish within {timeout_s:g}s") from None
         return str(ack.seq)
 
+    def _topic_subjects_of(self, topic: str) -> tuple[str, str]:
+        """``topic``'s subject and delayed subject, validated once (BrokerError for a bad name)."""
+        subject = self.subject(topic)
+        if len(self._topic_subjects) >= 1024:  # topics are few; a bound all the same
+            self._topic_subjects.clear()
+        pair = self._topic_subjects[topic] = (subject, f"{subject}.delayed")
+        return pair
+
     async def _publish(self, subject: str, body: bytes, headers: dict[str, str], *, stream: str) -> api.PubAck:
-        """Publish and wait for the PubAck; rebinds the subject once if the stream lost it (a racing update)."""
+        """Publish and wait for the PubAck; rebinds the subject once if the stream lost it (a racing update).
+
+        No timeout here: every caller holds one around the call. ``headers`` is the
+        caller's own dict (nats-py adds the expected-stream header to it)."""
+        try:
+            return await self._js_pub.publish(subject, body, headers=headers, stream=stream)
+        except nats.js.errors.NoStreamResponseError as exc:
+            if not self._nc.is_connected:
+                raise _port_error(exc) from exc
+        except Exception as exc:
+            mapped = _port_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
         with _mapped():
-            try:
-                return await self._js.publish(subject, body, headers=dict(headers), stream=stream)
-            except nats.js.errors.NoStreamResponseError:
-                if not self._nc.is_connected:
-                    raise
             self._subjects[stream].clear()
             await self._ensure_subjects(stream, [subject])
-            return await self._js.publish(subject, body, headers=dict(headers), stream=stream)
+            return await self._js_pub.publish(subject, body, headers=headers, stream=stream)
 
     # ------------------------------------------------------------------ groups
 
@@ -777,23 +811,31 @@ def _mapped() -> Any:
     """nats-py errors as the port's: BrokerUnavailable (retryable) or BrokerError."""
     try:
         yield
-    except (BrokerUnavailable, BrokerError):
-        raise
-    except nats.js.errors.NotFoundError:
-        raise
-    except nats.js.errors.ServiceUnavailableError as exc:
-        raise BrokerUnavailable(f"NATS JetStream is unavailable: {exc}") from exc
-    except nats.js.errors.APIError as exc:
+    except Exception as exc:
+        mapped = _port_error(exc)
+        if mapped is exc:
+            raise
+        raise mapped from exc
+
+
+def _port_error(exc: Exception) -> Exception:
+    """The port's error for a nats-py one (``exc`` itself when it passes through unchanged)."""
+    if isinstance(exc, (BrokerUnavailable, BrokerError, nats.js.errors.NotFoundError)):
+        return exc
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+        return BrokerUnavailable(f"NATS JetStream is unavailable: {exc}")
+    if isinstance(exc, nats.js.errors.APIError):
         if exc.code is not None and exc.code >= 500:
-            raise BrokerUnavailable(f"NATS JetStream error: {exc}") from exc
-        raise BrokerError(f"NATS JetStream refused: {exc}") from exc
-    except nats.errors.MaxPayloadError as exc:
-        raise BrokerError(f"message too large for NATS: {exc}") from exc
-    except (nats.errors.BadHeaderError, nats.errors.BadSubjectError) as exc:
-        raise BrokerError(f"NATS cannot carry this header or subject: {exc!r}") from exc
-    except (TimeoutError, OSError, nats.errors.Error) as exc:
+            return BrokerUnavailable(f"NATS JetStream error: {exc}")
+        return BrokerError(f"NATS JetStream refused: {exc}")
+    if isinstance(exc, nats.errors.MaxPayloadError):
+        return BrokerError(f"message too large for NATS: {exc}")
+    if isinstance(exc, (nats.errors.BadHeaderError, nats.errors.BadSubjectError)):
+        return BrokerError(f"NATS cannot carry this header or subject: {exc!r}")
+    if isinstance(exc, (TimeoutError, OSError, nats.errors.Error)):
         # timeouts, no responders (no stream bound yet, or JetStream down), closed or reconnecting
-        raise BrokerUnavailable(f"NATS did not answer: {exc!r}") from exc
+        return BrokerUnavailable(f"NATS did not answer: {exc!r}")
+    return exc
 
 
 def _status(msg: Msg) -> str:
@@ -815,10 +857,6 @@ def _reserved(header: str) -> bool:
 
 def _user_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if not _reserved(k)}
-
-
-def _nonempty(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if v}
 
 
 def _one_line(text: str) -> str:
