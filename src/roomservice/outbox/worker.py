@@ -32,9 +32,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from roomservice import errors
-from roomservice.domain.events import Event
+from roomservice.domain.events import PAYLOAD_TYPES, Event
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import (
     OUTBOX_CLAIM_BATCH,
@@ -46,7 +47,8 @@ from roomservice.observability.metrics import (
 from roomservice.outbox.model import ClaimedRow, Outcome, PublishMode, format_targets, required_targets
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.repository import Delivered, OutboxRepository, RetryDecision
-from roomservice.publishers.port import PublishError, PublisherSet
+from roomservice.proto import room_outbox_event_pb2 as pb
+from roomservice.publishers.port import Publisher, PublishError, PublisherSet
 from roomservice.wire import decode_event
 
 _log = get_logger("roomservice.outbox")
@@ -83,6 +85,32 @@ class WorkerOptions:
 
 FULL_CLAIM_EVERY_S = 0.25
 MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another; the rest wait their turn
+
+
+# Metric children, looked up once: labels() costs a lock and a dict walk per call.
+_DELIVERIES: dict[tuple[str, str], Any] = {}
+_PUBLISH_SECONDS: dict[str, Any] = {}
+_FINISHED = {status: OUTBOX_ROWS_FINISHED.labels(status) for status in ("delivered", "failed", "retryable")}
+
+
+def _count_delivery(target: str, outcome: str) -> None:
+    child = _DELIVERIES.get((target, outcome))
+    if child is None:
+        child = _DELIVERIES[(target, outcome)] = OUTBOX_DELIVERIES.labels(target, outcome)
+    child.inc()
+
+
+def _observe_publish(target: str, seconds: float) -> None:
+    child = _PUBLISH_SECONDS.get(target)
+    if child is None:
+        child = _PUBLISH_SECONDS[target] = OUTBOX_PUBLISH_SECONDS.labels(target)
+    child.observe(seconds)
+
+
+def _check_envelope(payload: bytes) -> None:
+    """Raise as :func:`decode_event` would for a payload it cannot decode (bad bytes, an unknown
+    type), without building the Event: for rows whose targets do not need it."""
+    PAYLOAD_TYPES[pb.RoomOutboxEvent.FromString(payload).type]
 
 
 class WorkerNotReady(errors.Unavailable):
@@ -135,6 +163,7 @@ class OutboxWorker:
         self._failing: str | None = None  # why the last cycle failed; None when it did not
         self._unfinished: _Finish | None = None  # a finish whose write failed: retried first
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
+        self._needed: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {}  # targets still to reach, sorted
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -318,14 +347,38 @@ class OutboxWorker:
             if kept < len(row_ids):
                 _log.warning("outbox_claims_lost", owner=self.owner, expected=len(row_ids), changed=kept)
 
+    def _targets_needed(self, row: ClaimedRow) -> tuple[str, ...]:
+        key = (row.event_type, row.targets_done)
+        needed = self._needed.get(key)
+        if needed is None:
+            if len(self._needed) >= 1024:  # event types are few; a bound against odd rows all the same
+                self._needed.clear()
+            required = required_targets(row.event_type, self.options.mode)
+            needed = self._needed[key] = tuple(sorted(required - row.targets_done))
+        return needed
+
     async def deliver(self, row: ClaimedRow) -> Outcome:
         """Publish ``row`` to every target it still needs; never raises."""
+        needed = self._targets_needed(row)
+        publishers = [self.publishers.get(target) for target in needed]
+        event: Event | None = None
         try:
-            event = decode_event(row.payload)
+            # the Event is decoded only for a publisher that takes one (the broker target
+            # takes the claimed row's own fields); an undecodable row is refused either way
+            if any(p is not None and not hasattr(p, "publish_claimed") for p in publishers):
+                event = decode_event(row.payload)
+            else:
+                _check_envelope(row.payload)
         except Exception as exc:  # an undecodable row can never be delivered
             return Outcome(row, row.targets_done, delivered=False, permanent=True, error=f"undecodable: {exc!r}")
-        needed = sorted(required_targets(row.event_type, self.options.mode) - row.targets_done)
-        results = await asyncio.gather(*(self._publish(target, event, row.payload) for target in needed))
+        if len(needed) == 1:  # the common case: awaited here, no task of its own
+            results = [await self._publish(needed[0], publishers[0], row, event)]
+        else:
+            results = await asyncio.gather(
+                *(self._publish(target, p, row, event) for target, p in zip(needed, publishers, strict=True))
+            )
+        if not any(results):
+            return Outcome(row, row.targets_done | frozenset(needed), delivered=True)
         done = set(row.targets_done)
         errors: list[str] = []
         permanent = False
@@ -335,22 +388,33 @@ class OutboxWorker:
             else:
                 errors.append(f"{target}: {error[1]}")
                 permanent = permanent or error[0]
-        if not errors:
-            return Outcome(row, frozenset(done), delivered=True)
         return Outcome(row, frozenset(done), delivered=False, permanent=permanent, error="; ".join(errors))
 
-    async def _publish(self, target: str, event: Event, payload: bytes) -> tuple[bool, str] | None:
+    async def _publish(
+        self, target: str, publisher: Publisher | None, row: ClaimedRow, event: Event | None
+    ) -> tuple[bool, str] | None:
         """None on success, else (permanent, message)."""
-        publisher = self.publishers.get(target)
         if publisher is None:
-            OUTBOX_DELIVERIES.labels(target, "no_publisher").inc()
+            _count_delivery(target, "no_publisher")
             return (False, f"no publisher for target {target!r} in this process")
-        loop = asyncio.get_running_loop()
         started = time.perf_counter()
         timeout = self.options.publish_timeout_s
         try:
+            # the attempt's one deadline: the worker's bound (a publisher may ignore it), and
+            # the same instant given to the publisher
             async with asyncio.timeout(timeout):
-                await publisher.publish(event, payload=payload, deadline=loop.time() + timeout)
+                deadline = asyncio.get_running_loop().time() + timeout
+                if event is None:
+                    await publisher.publish_claimed(  # type: ignore[attr-defined]
+                        event_id=row.event_id,
+                        event_type=row.event_type,
+                        app_code=row.app_code,
+                        room_id=row.room_id,
+                        payload=row.payload,
+                        deadline=deadline,
+                    )
+                else:
+                    await publisher.publish(event, payload=row.payload, deadline=deadline)
         except TimeoutError:
             outcome, result = "timeout", (False, f"timed out after {timeout:g}s")
         except PublishError as exc:
@@ -361,8 +425,8 @@ class OutboxWorker:
         else:
             outcome, result = "ok", None  # type: ignore[assignment]
         self._beat()
-        OUTBOX_DELIVERIES.labels(target, outcome).inc()
-        OUTBOX_PUBLISH_SECONDS.labels(target).observe(time.perf_counter() - started)
+        _count_delivery(target, outcome)
+        _observe_publish(target, time.perf_counter() - started)
         return result
 
     def _decide(self, outcomes: list[Outcome]) -> _Finish:
@@ -395,7 +459,9 @@ class OutboxWorker:
                 targets_done=targets,
                 error=outcome.error,
             )
-        OUTBOX_ROWS_FINISHED.labels("delivered").inc(len(delivered))
-        OUTBOX_ROWS_FINISHED.labels("failed").inc(sum(1 for r in retries if r.failed))
-        OUTBOX_ROWS_FINISHED.labels("retryable").inc(sum(1 for r in retries if not r.failed))
+        _FINISHED["delivered"].inc(len(delivered))
+        if retries:
+            failed = sum(1 for r in retries if r.failed)
+            _FINISHED["failed"].inc(failed)
+            _FINISHED["retryable"].inc(len(retries) - failed)
         return _Finish(now, delivered, retries)

@@ -31,26 +31,56 @@ class BrokerPublisher:
     async def publish(
         self, event: Event, *, payload: bytes, deadline: float, headers: Mapping[str, str] | None = None
     ) -> None:
+        """The publisher port: bounded by ``deadline`` here, whatever the broker does."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.publish_claimed(
+                    event_id=event.event_id,
+                    event_type=event.type,
+                    app_code=event.app_code,
+                    room_id=event.room_id,
+                    payload=payload,
+                    deadline=deadline,
+                    headers=headers,
+                )
+        except TimeoutError as exc:
+            raise RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline") from exc
+
+    async def publish_claimed(
+        self,
+        *,
+        event_id: str,
+        event_type: str,
+        app_code: str,
+        room_id: str,
+        payload: bytes,
+        deadline: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        """The outbox worker's path: a claimed row's own fields, no decoded Event needed.
+
+        Adds no timer of its own: the broker is given what is left of ``deadline``
+        (every adapter bounds its publish by it) and the caller bounds the attempt
+        by the same deadline (the worker does, for every publisher)."""
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             raise RetryableError("publishing to the broker: the deadline passed before it started")
         message = OutgoingMessage(
             topic=self.topic,
             body=payload,
-            key=event.event_id,
-            tag=event.type,
-            sharding_key=room_sharding_key(event.app_code, event.room_id),
-            headers=dict(headers or {}),
+            key=event_id,
+            tag=event_type,
+            sharding_key=room_sharding_key(app_code, room_id),
+            headers=dict(headers) if headers else {},
         )
         try:
-            async with asyncio.timeout_at(deadline):
-                await self.broker.publish(message, timeout_s=remaining)
-        except TimeoutError as exc:
-            raise RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline") from exc
+            await self.broker.publish(message, timeout_s=remaining)
         except BrokerUnavailable as exc:
             raise RetryableError(f"broker {self.broker.name} unavailable: {exc}") from exc
         except RetryableError:
             raise
+        except TimeoutError as exc:  # an adapter's own timer ran out first
+            raise RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline") from exc
         except Exception as exc:  # refused for good (name, size): a dead letter, not a retry loop
             if getattr(exc, "retryable", False):
                 raise RetryableError(f"broker {self.broker.name}: {exc}") from exc
