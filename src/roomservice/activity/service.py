@@ -29,6 +29,7 @@ from roomservice.activity.store import BOARDS, ActivityStore, Board
 from roomservice.clock import wall_clock_ms
 from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened
 from roomservice.domain.limits import MAX_TREASURE_RECIPIENTS, valid_app_code, valid_id, valid_room_id
+from roomservice.grpc_server import RunningGrpcServer, format_target
 from roomservice.observability.logging import get_logger
 from roomservice.proto import activity_pb2 as apb
 from roomservice.store.database import Database
@@ -185,42 +186,14 @@ def add_activity_servicer(server: grpc.aio.Server, servicer: ActivityServicer) -
 # --------------------------------------------------------------------------- running server
 
 
-def format_target(host: str, port: int) -> str:
-    """``host:port`` for a gRPC target (IPv6 literals bracketed)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-class RunningActivityService:
+class RunningActivityService(RunningGrpcServer):
     """A started grpc.aio server; ``target`` is what a publisher connects to."""
 
+    name = "activity_service"
+
     def __init__(self, server: grpc.aio.Server, servicer: ActivityServicer, host: str, port: int) -> None:
-        self.server = server
+        super().__init__(server, host, port)
         self.servicer = servicer
-        self.host = host
-        self.port = port
-        self._stopped = False
-
-    @property
-    def target(self) -> str:
-        return format_target("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host, self.port)
-
-    @property
-    def serving(self) -> bool:
-        return not self._stopped
-
-    async def stop(self, grace: float | None = 5.0) -> None:
-        """Stop accepting calls, let in-flight ones finish within ``grace`` seconds, then cancel them."""
-        if self._stopped:
-            return
-        self._stopped = True
-        await self.server.stop(grace)
-        _log.info("activity_service_stopped", target=self.target)
-
-    async def wait(self) -> None:
-        """Until the server terminates."""
-        await self.server.wait_for_termination()
 
 
 async def start_activity_service(

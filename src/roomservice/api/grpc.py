@@ -75,6 +75,7 @@ from roomservice.api import schemas as s
 from roomservice.api.app import _describe_validation as describe_request_validation
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
+from roomservice.grpc_server import RunningGrpcServer, format_target
 from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.proto import room_api_pb2 as pb
@@ -450,43 +451,14 @@ def add_room_api(server: grpc.aio.Server, servicer: RoomApiServicer) -> None:
 # --------------------------------------------------------------------------- running server
 
 
-def format_target(host: str, port: int) -> str:
-    """``host:port`` for a gRPC target (IPv6 literals bracketed)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-class RunningRoomApi:
+class RunningRoomApi(RunningGrpcServer):
     """A started grpc.aio server serving the room API; ``target`` is what a client connects to."""
 
+    name = "room_api"
+
     def __init__(self, server: grpc.aio.Server, servicer: RoomApiServicer, host: str, port: int) -> None:
-        self.server = server
+        super().__init__(server, host, port)
         self.servicer = servicer
-        self.host = host
-        self.port = port
-        self._stopped = False
-
-    @property
-    def target(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "::1" if self.host == "::" else self.host
-        return format_target(host, self.port)
-
-    @property
-    def serving(self) -> bool:
-        return not self._stopped
-
-    async def stop(self, grace: float | None = 5.0) -> None:
-        """Stop accepting calls, let in-flight ones finish within ``grace`` seconds, then cancel them."""
-        if self._stopped:
-            return
-        self._stopped = True
-        await self.server.stop(grace)
-        _log.info("room_api_stopped", target=self.target)
-
-    async def wait(self) -> None:
-        """Until the server terminates."""
-        await self.server.wait_for_termination()
 
 
 async def start_room_api(
