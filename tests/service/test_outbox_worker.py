@@ -9,10 +9,12 @@ from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
+from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 from tests.service.conftest import T0, Clock
 
 from roomservice.domain import events as e
+from roomservice.observability.logging import get_logger
 from roomservice.outbox.model import BROKER, PublishMode
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.repository import OutboxRepository
@@ -500,3 +502,25 @@ async def test_readiness_fails_while_cycles_fail_or_the_loop_is_stuck_and_recove
         worker._last_beat -= worker.options.stale_after_s + 1  # as if a step had hung
         with pytest.raises(WorkerNotReady, match="stuck"):
             await worker.check()
+
+
+async def test_lines_logged_while_a_row_is_delivered_name_its_event(database: Database, clock: Clock) -> None:
+    class Talkative:
+        name = "im"
+
+        async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+            get_logger("test").info("publishing")  # says nothing of the event itself
+
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    worker = OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({"im": Talkative(), "activity": FakePublisher("activity")}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.DIRECT),
+        clock=clock,
+    )
+    with capture_logs(processors=[merge_contextvars]) as logs:
+        assert await worker.run_once() == 1
+    line = next(entry for entry in logs if entry["event"] == "publishing")
+    assert line["event_id"] == ev.event_id

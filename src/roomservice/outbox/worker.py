@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from structlog.contextvars import bound_contextvars
+
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
 from roomservice.observability.logging import get_logger
@@ -358,7 +360,11 @@ class OutboxWorker:
         return needed
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
-        """Publish ``row`` to every target it still needs; never raises."""
+        """Publish ``row`` to every target it still needs; never raises. Lines logged meanwhile name the event."""
+        with bound_contextvars(event_id=row.event_id):
+            return await self._deliver(row)
+
+    async def _deliver(self, row: ClaimedRow) -> Outcome:
         needed = self._targets_needed(row)
         publishers = [self.publishers.get(target) for target in needed]
         event: Event | None = None
