@@ -1,0 +1,81 @@
+"""The outbox worker's broker path (issue 12): the row's own fields, no decoded Event, same outcomes."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from tests.service.conftest import T0, Clock
+from tests.service.test_outbox_worker import JOINED, insert_rows, make_event, row
+
+from roomservice.brokers.fake import FakeBroker
+from roomservice.outbox.model import BROKER, PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.broker import BrokerPublisher
+from roomservice.publishers.port import PublisherSet
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+from roomservice.wire import decode_event
+
+TOPIC = "hyapp_room_outbox"
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def mq_worker(database: Database, clock: Clock, broker: FakeBroker, **options: float) -> OutboxWorker:
+    return OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({BROKER: BrokerPublisher(broker, topic=TOPIC)}),
+        policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=8_000, max_retry_count=10, jitter=0),
+        options=WorkerOptions(mode=PublishMode.MQ, **options),  # type: ignore[arg-type]
+        clock=clock,
+    )
+
+
+async def test_a_broker_only_row_is_published_from_its_claimed_fields_without_decoding(
+    database: Database, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import roomservice.outbox.worker as worker_module
+
+    def no_decode(_: bytes) -> None:
+        raise AssertionError("the broker path must not decode the Event")
+
+    monkeypatch.setattr(worker_module, "decode_event", no_decode)
+    ev = make_event(JOINED, room="r7")
+    await insert_rows(database, ev)
+    broker = FakeBroker()
+    assert await mq_worker(database, clock, broker).run_once() == 1
+    (sent,) = broker.published
+    assert (sent.topic, sent.key, sent.tag, sent.sharding_key) == (TOPIC, ev.event_id, ev.type, "demo:r7")
+    assert decode_event(sent.body) == ev
+    r = await row(database, ev.event_id)
+    assert (r.status, r.targets_done, r.delivered_at_ms) == ("delivered", BROKER, T0)
+
+
+async def test_an_undecodable_broker_only_row_is_still_a_dead_letter_and_is_not_published(
+    database: Database, clock: Clock
+) -> None:
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    async with database.write() as conn:
+        await conn.execute(sa.update(t.room_outbox).values(payload=b"\xff\x00garbage"))
+    broker = FakeBroker()
+    await mq_worker(database, clock, broker).run_once()
+    r = await row(database, ev.event_id)
+    assert r.status == "failed" and "undecodable" in r.last_error
+    assert broker.published == []
+
+
+async def test_a_hung_broker_times_out_by_the_workers_deadline(database: Database, clock: Clock) -> None:
+    """publish_claimed adds no timer of its own: the attempt still ends by publish_timeout."""
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    broker = FakeBroker()
+    broker.hang = True
+    await mq_worker(database, clock, broker, publish_timeout_s=0.2).run_once()
+    r = await row(database, ev.event_id)
+    assert r.status == "retryable" and "timed out after 0.2s" in r.last_error and r.targets_done == ""
