@@ -68,7 +68,11 @@ outbox_worker:
   max_backoff: "5m"
 """
 
-DOCKER_ENV = {"ROOMSERVICE_ADMIN_TOKEN": "docker-admin-token-123", "DB_PASSWORD": "maria@db:pw/1"}
+DOCKER_ENV = {
+    "ROOMSERVICE_ADMIN_TOKEN": "docker-admin-token-123",
+    "DB_PASSWORD": "maria@db:pw/1",
+    "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret-pqr",
+}
 TENCENT_ENV = {
     "MYSQL_HOST": "10.0.0.3",
     "MYSQL_USER": "room",
@@ -83,6 +87,7 @@ TENCENT_ENV = {
     "WALLET_URL": "https://wallet.internal",
     "WALLET_API_KEY": "wallet-key-jkl",
     "ROOMSERVICE_ADMIN_TOKEN": "admin-token-mno",
+    "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret-stu",
 }
 SECRETS = [
     "docker-admin-token-123",
@@ -94,12 +99,9 @@ SECRETS = [
     "im-secret-ghi",
     "wallet-key-jkl",
     "admin-token-mno",
+    "peer-secret-pqr",
+    "peer-secret-stu",
 ]
-
-
-# What loading docker.yaml and tencent-cloud.yaml says until scale-out and the brokers are built.
-DOCKER_UNAVAILABLE = ("lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",)
-TENCENT_UNAVAILABLE = ("lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",)
 
 
 @pytest.fixture
@@ -232,21 +234,37 @@ def test_local_sample_writes_the_defaults_apart_from_the_gift_catalog_and_the_mq
     assert code_defaults.model_copy(update={"gifts": ()}) == Settings()
 
 
-def test_docker_sample_names_every_choice_that_is_not_built_yet() -> None:
+def test_no_choice_is_left_unbuilt() -> None:
+    assert NOT_YET_AVAILABLE == ()
+
+
+def test_docker_sample_needs_the_peers_shared_secret() -> None:
+    env = {k: v for k, v in DOCKER_ENV.items() if k != "ROOMSERVICE_GRPC_SHARED_SECRET"}
     with pytest.raises(ConfigError) as info:
-        load_settings(PACKAGED / "docker.yaml", env=DOCKER_ENV)
-    assert info.value.problems == DOCKER_UNAVAILABLE
+        load_settings(PACKAGED / "docker.yaml", env=env)
+    assert info.value.problems == (
+        "grpc.shared_secret: environment variable ROOMSERVICE_GRPC_SHARED_SECRET is not set "
+        "(use ${ROOMSERVICE_GRPC_SHARED_SECRET:-default} if optional)",
+    )
     assert info.value.source == str(PACKAGED / "docker.yaml")
 
 
-def test_tencent_cloud_sample_names_every_choice_that_is_not_built_yet() -> None:
-    with pytest.raises(ConfigError) as info:
-        load_settings(PACKAGED / "tencent-cloud.yaml", env=TENCENT_ENV)
-    assert info.value.problems == TENCENT_UNAVAILABLE
+def test_redis_leases_need_a_shared_secret() -> None:
+    assert "grpc.shared_secret must be set when lease.driver is redis" in config_error({"lease": {"driver": "redis"}})
+    s = load({"lease": {"driver": "redis"}, "grpc": {"shared_secret": "s3"}})
+    assert s.lease.driver == "redis" and s.grpc.shared_secret.get_secret_value() == "s3"
+    assert "s3" not in repr(s)
 
 
-@pytest.mark.usefixtures("all_built")
-def test_docker_sample_loads_with_its_environment_but_for_those_choices() -> None:
+def test_tencent_cloud_sample_loads_with_its_environment() -> None:
+    s = load_settings(PACKAGED / "tencent-cloud.yaml", env=TENCENT_ENV)
+    assert s.lease.driver == "redis"
+    assert s.broker.driver == "rocketmq"
+    assert s.grpc.host == "0.0.0.0" and s.grpc.port == 9090 and s.grpc.advertise_address == ""
+    assert s.grpc.shared_secret.get_secret_value() == "peer-secret-stu"
+
+
+def test_docker_sample_loads_with_its_environment() -> None:
     s = load_settings(PACKAGED / "docker.yaml", env=DOCKER_ENV)
     assert s.database.backend == "mysql"
     assert s.database.url == "mysql+asyncmy://root@mariadb:3306/room"
@@ -258,19 +276,25 @@ def test_docker_sample_loads_with_its_environment_but_for_those_choices() -> Non
     assert s.broker.nats.url == "nats://nats:4222"
     assert s.outbox_worker.publish_mode == "mq"
     assert s.rocketmq.room_outbox.enabled is True
+    assert s.grpc.host == "0.0.0.0" and s.grpc.port == 9090 and s.grpc.advertise_address == ""
+    assert s.grpc.shared_secret.get_secret_value() == "peer-secret-pqr"
+    one_of_n = load_settings(
+        PACKAGED / "docker.yaml", env={**DOCKER_ENV, "ROOMSERVICE_GRPC_ADVERTISE_ADDRESS": "room-service-2:9090"}
+    )
+    assert one_of_n.grpc.advertise_address == "room-service-2:9090"
     assert s.admin.token.get_secret_value() == "docker-admin-token-123"
 
 
 @pytest.mark.usefixtures("all_built")
 def test_docker_sample_db_password_is_optional_but_admin_token_is_not() -> None:
-    s = load_settings(PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t"})
+    secret = {"ROOMSERVICE_GRPC_SHARED_SECRET": "p"}
+    s = load_settings(PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t", **secret})
     assert s.database.connect_url() == "mysql+asyncmy://root@mariadb:3306/room"
     with pytest.raises(ConfigError, match=r"admin\.token.*ROOMSERVICE_ADMIN_TOKEN"):
-        load_settings(PACKAGED / "docker.yaml", env={})
+        load_settings(PACKAGED / "docker.yaml", env=secret)
 
 
-@pytest.mark.usefixtures("all_built")
-def test_tencent_cloud_sample_loads_with_its_environment_but_for_those_choices() -> None:
+def test_tencent_cloud_sample_loads_with_its_environment_and_means_it() -> None:
     s = load_settings(PACKAGED / "tencent-cloud.yaml", env=TENCENT_ENV)
     assert s.database.url == "mysql+asyncmy://room@10.0.0.3:3306/room"
     assert s.database.connect_url() == "mysql+asyncmy://room:mysql-secret-456@10.0.0.3:3306/room"
@@ -532,17 +556,9 @@ def test_not_available_choices_are_real_keys_with_a_different_default() -> None:
         assert setting(Settings(), row.key) != row.value
 
 
-def test_the_lease_message_says_what_to_use() -> None:
-    with pytest.raises(ConfigError) as info:
-        load({"lease": {"driver": "redis"}})
-    assert info.value.problems == (
-        "lease.driver: 'redis' is not available yet (scale-out is not built); use 'inprocess'",
-    )
-
-
-def test_with_overrides_refuses_a_choice_not_built_yet() -> None:
-    with pytest.raises(ConfigError, match=re.escape("lease.driver: 'redis' is not available yet")):
-        load_settings(env={}).with_overrides({"lease.driver": "redis"})
+def test_with_overrides_takes_redis_leases_with_a_secret() -> None:
+    s = load_settings(env={}).with_overrides({"lease.driver": "redis", "grpc.shared_secret": "x"})
+    assert s.lease.driver == "redis"
 
 
 @pytest.mark.parametrize(("data", "expected"), [c for c in CASES_ONCE_BUILT if c not in CASES_STILL_UNBUILT])
@@ -967,7 +983,9 @@ def test_local_sample_addresses_are_overridden_from_the_environment() -> None:
 
 @pytest.mark.usefixtures("all_built")
 def test_docker_sample_addresses_default_to_compose_service_names_and_are_overridden() -> None:
-    s = load_settings(PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t"})
+    s = load_settings(
+        PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t", "ROOMSERVICE_GRPC_SHARED_SECRET": "p"}
+    )
     assert s.database.url == "mysql+asyncmy://root@mariadb:3306/room"
     assert s.redis.url == "redis://redis:6379/0"
     assert s.broker.nats.url == "nats://nats:4222"
@@ -980,8 +998,12 @@ def test_docker_sample_addresses_default_to_compose_service_names_and_are_overri
         "ROOMSERVICE_NATS_URL": "nats://127.0.0.1:4222",
         "ROOMSERVICE_HTTP_PORT": "0",
         "ROOMSERVICE_ACTIVITY_TARGET": "127.0.0.1:9000",
+        "ROOMSERVICE_GRPC_SHARED_SECRET": "p",
+        "ROOMSERVICE_GRPC_HOST": "127.0.0.1",
+        "ROOMSERVICE_GRPC_PORT": "0",
     }
     s = load_settings(PACKAGED / "docker.yaml", env=env)
+    assert (s.grpc.host, s.grpc.port) == ("127.0.0.1", 0)
     assert s.database.url == "mysql+asyncmy://root@127.0.0.1:3306/room"
     assert s.redis.url == "redis://127.0.0.1:6379/3"
     assert s.broker.nats.url == "nats://127.0.0.1:4222"
@@ -1033,6 +1055,8 @@ def test_inactive_keys_of_the_embedded_default() -> None:
         "redis.url",
         "redis.password",
         "lease.ttl",
+        "grpc.shared_secret",
+        "grpc.forward_timeout",
         "wallet.url",
         "wallet.api_key",
     ]:
@@ -1081,10 +1105,19 @@ def test_keys_become_active_when_their_driver_is_chosen() -> None:
             "rocketmq": {"enabled": True, "name_server_domain": "ns", "room_outbox": {"enabled": True}},
             "broker": {"driver": "rocketmq"},
             "lease": {"driver": "redis"},
+            "grpc": {"shared_secret": "p"},
         }
     )
     inactive = dict(inactive_keys(s))
-    for key in ["broker.driver", "rocketmq.name_servers", "rocketmq.room_outbox.topic", "redis.url", "lease.ttl"]:
+    for key in [
+        "broker.driver",
+        "rocketmq.name_servers",
+        "rocketmq.room_outbox.topic",
+        "redis.url",
+        "lease.ttl",
+        "grpc.shared_secret",
+        "grpc.forward_timeout",
+    ]:
         assert key not in inactive, key
     assert inactive["broker.nats.url"] == "broker.driver is not nats"
     assert "tencent_im.base_url" in inactive  # mq: the broker carries IM work, not the worker

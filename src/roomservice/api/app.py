@@ -27,6 +27,7 @@ from roomservice.service import RoomService
 
 if TYPE_CHECKING:
     from roomservice.admin.operations import OutboxAdmin
+    from roomservice.forwarding import Forwarder
 
 _log = get_logger("roomservice.api")
 
@@ -80,6 +81,7 @@ class ApiContext:
     outbox_admin: OutboxAdmin | None = None  # serves /admin/outbox… when set
     metrics: bool = True  # serves GET /metrics (metrics.enabled); without it /metrics is 404 not_found
     body_read_timeout_s: float = 10.0  # http.body_read_timeout: the whole body must arrive within it
+    forwarder: Forwarder | None = None  # commands and the room view go through it (to the room's owner)
 
 
 def _error(exc: errors.RoomServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -156,12 +158,14 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return JSONResponse({"error": {"code": "internal", "message": "internal error"}}, status_code=500)
 
     service = ctx.service
+    execute = ctx.forwarder.execute if ctx.forwarder is not None else service.execute
+    room_view = ctx.forwarder.room if ctx.forwarder is not None else service.room
 
     @app.post("/v1/apps/{app_code}/rooms", response_model=s.CommandResponse, tags=["commands"], responses=_CREATE)
     @command_endpoint(c.CreateRoom.name)
     async def create_room(app_code: AppCode, body: s.CreateRoomBody) -> dict[str, Any]:
         entering_pipeline()
-        return await service.execute(app_code, body.room_id, body.command_id, body.to_command())
+        return await execute(app_code, body.room_id, body.command_id, body.to_command())
 
     def register(name: str) -> None:
         suffix, body_type, command, responses = _COMMANDS[name]
@@ -169,7 +173,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
         @command_endpoint(command.name)
         async def handler(app_code: str, room_id: str, body: s._Body) -> dict[str, Any]:
             entering_pipeline()
-            return await service.execute(app_code, room_id, body.command_id, body.to_command())
+            return await execute(app_code, room_id, body.command_id, body.to_command())
 
         # FastAPI reads the annotations: give each route its own body model
         handler.__annotations__ = {
@@ -192,7 +196,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
     @app.get("/v1/apps/{app_code}/rooms/{room_id}", tags=["reads"], responses=_READ)
     async def get_room(app_code: AppCode, room_id: RoomIdPath) -> dict[str, Any]:
-        return await service.room(app_code, room_id)
+        return await room_view(app_code, room_id)
 
     @app.get("/v1/apps/{app_code}/rooms", tags=["reads"], responses=_READ)
     async def list_rooms(app_code: AppCode) -> dict[str, Any]:

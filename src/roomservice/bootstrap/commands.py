@@ -1,20 +1,37 @@
-"""The command pipeline's parts: store, leases, Room Cells, wallet and journal, projections, RoomService."""
+"""The command pipeline's parts: store, leases, Room Cells, wallet and journal, projections, RoomService,
+and the forwarder every entrypoint calls it through.
+
+``lease.driver: redis`` (scale-out): :class:`RedisLeases` (a lost lease evicts its
+room's cell through ``on_lost``; the renewal loop runs in the background),
+:class:`RedisProjections` shared by every process (rebuilt from the database when
+Redis is found empty: at start in the background, and lazily by any read; a Redis
+that is down at start is logged, never fatal), and a :class:`Forwarder` that sends
+a room's commands to the process holding its lease. ``inprocess``: one process owns
+every room, the projections live in this process (seeded from the database at start).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from roomservice.bootstrap.core import Core
 from roomservice.cell.registry import CellRegistry
+from roomservice.forwarding import Forwarder
 from roomservice.leases.inprocess import InProcessLeases
 from roomservice.leases.port import LeaseManager
-from roomservice.projections.port import InProcessProjections, RoomListEntry
+from roomservice.leases.redis import RedisLeases
+from roomservice.observability.logging import get_logger
+from roomservice.projections.port import InProcessProjections, Projections, RoomListEntry
+from roomservice.projections.redis import RedisProjections, store_loader
 from roomservice.service import RoomService, ServiceOptions
 from roomservice.store.sql import SqlRoomStore
 from roomservice.wallet.embedded import EmbeddedWallet
 from roomservice.wallet.http import HttpWallet
 from roomservice.wallet.journal import DebitJournal
 from roomservice.wallet.port import Wallet
+
+_log = get_logger("roomservice.bootstrap")
 
 PROJECTION_SEED_LIMIT = 10_000
 
@@ -27,27 +44,110 @@ class Commands:
     wallet: Wallet
     journal: DebitJournal
     service: RoomService
+    forwarder: Forwarder
+
+    @property
+    def redis_leases(self) -> RedisLeases | None:
+        return self.leases if isinstance(self.leases, RedisLeases) else None
 
     def start(self, core: Core) -> None:
         room = core.settings.room
         evict_every = max(1.0, min(60.0, room.idle_evict_after.total_seconds() / 4))
         core.spawn("cell-eviction", self.registry.run_eviction(interval_s=evict_every))
+        if self.redis_leases is not None:
+            core.spawn("lease-renewal", self.redis_leases.run_renewal())
+        projections = self.service.projections
+        if isinstance(projections, RedisProjections) and projections.loader is not None:
+            core.spawn("projections-rebuild", _rebuild_projections(projections))
 
     async def stop(self) -> None:
         await self.registry.close()
+        await self.forwarder.aclose()
+        projections = self.service.projections
+        if isinstance(projections, RedisProjections):
+            await projections.close()
+        if self.redis_leases is not None:
+            await self.redis_leases.aclose()
+
+
+async def _rebuild_projections(projections: RedisProjections) -> None:
+    """Rebuild the shared projections if Redis has none; a failure is logged (the next read tries again)."""
+    assert projections.loader is not None
+    try:
+        rebuilt = await projections.rebuild_if_empty(projections.loader)
+        _log.info("projections_checked", rebuilt=rebuilt)
+    except Exception as exc:
+        _log.warning("projections_rebuild_failed", error=repr(exc))
+
+
+def _evict_on_lost(registry: CellRegistry) -> Callable[[str, str], None]:
+    def on_lost(app_code: str, room_id: str) -> None:
+        cell = registry.peek(app_code, room_id)
+        if cell is not None:
+            _log.warning("room_cell_evicted_lease_lost", app_code=app_code, room_id=room_id)
+            registry.discard(cell)
+
+    return on_lost
 
 
 async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Commands:
     settings = core.settings
     store = SqlRoomStore(core.db)
-    leases = InProcessLeases()
+    scale_out = settings.lease.driver == "redis"
+    # a Redis lease's address is set once the room API is bound (Process), before any lease is taken
+    leases: LeaseManager = (
+        RedisLeases.from_config(settings.redis, settings.lease, address="") if scale_out else InProcessLeases()
+    )
     registry = CellRegistry(store=store, leases=leases, idle_after_s=settings.room.idle_evict_after.total_seconds())
+    if isinstance(leases, RedisLeases):
+        leases.on_lost = _evict_on_lost(registry)
     if wallet is None:
         if settings.wallet.driver == "http":
             wallet = await core.stack.enter_async_context(HttpWallet.from_config(settings.wallet))
         else:
             wallet = EmbeddedWallet(core.db, starting_balance=settings.wallet.starting_balance, clock=core.clock)
     journal = DebitJournal(core.db)
+    projections: Projections
+    if scale_out:
+        projections = RedisProjections.from_url(
+            settings.redis.connect_url(),
+            prefix=settings.redis.key_prefix,
+            loader=store_loader(store),
+            timeout_s=settings.redis.socket_timeout.total_seconds(),
+        )
+    else:
+        projections = await _seeded_projections(store)
+    service = RoomService(
+        store=store,
+        registry=registry,
+        rules=settings.room_rules(),
+        wallet=wallet,
+        journal=journal,
+        projections=projections,
+        options=ServiceOptions(
+            snapshot_every_n=settings.room.snapshot_every_n,
+            wallet_timeout_s=settings.wallet.timeout.total_seconds(),
+        ),
+        clock=core.clock,
+    )
+    forwarder = Forwarder(
+        service,
+        leases=leases if isinstance(leases, RedisLeases) else None,
+        shared_secret=settings.grpc.shared_secret.get_secret_value(),
+        timeout_s=settings.grpc.forward_timeout.total_seconds(),
+    )
+    return Commands(
+        store=store,
+        leases=leases,
+        registry=registry,
+        wallet=wallet,
+        journal=journal,
+        service=service,
+        forwarder=forwarder,
+    )
+
+
+async def _seeded_projections(store: SqlRoomStore) -> InProcessProjections:
     projections = InProcessProjections()
     summaries = await store.list_room_summaries(limit=PROJECTION_SEED_LIMIT)
     await projections.seed(
@@ -65,17 +165,4 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
             for r in summaries
         ]
     )
-    service = RoomService(
-        store=store,
-        registry=registry,
-        rules=settings.room_rules(),
-        wallet=wallet,
-        journal=journal,
-        projections=projections,
-        options=ServiceOptions(
-            snapshot_every_n=settings.room.snapshot_every_n,
-            wallet_timeout_s=settings.wallet.timeout.total_seconds(),
-        ),
-        clock=core.clock,
-    )
-    return Commands(store=store, leases=leases, registry=registry, wallet=wallet, journal=journal, service=service)
+    return projections

@@ -52,7 +52,7 @@ def build_consumers(
             if commands is None:
                 raise ValueError("the treasure-open group needs the command pipeline")
             handler = TreasureOpenHandler(
-                commands.service.execute, group=spec.group, topic=spec.topic, clock=core.clock
+                commands.forwarder.execute, group=spec.group, topic=spec.topic, clock=core.clock
             )
         elif spec.group == settings.consumers.activity.group:
             handler = ActivityHandler(ActivityStore(core.db, clock=core.clock), group=spec.group, topic=spec.topic)

@@ -10,6 +10,7 @@ from roomservice.bootstrap.commands import Commands
 from roomservice.bootstrap.core import Core, ms
 from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.brokers.port import Broker
+from roomservice.leases.leader import RedisMaintenanceLock
 from roomservice.leases.maintenance import DatabaseMaintenanceLock
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PENDING_SECONDS, sample_db_pool
@@ -80,7 +81,13 @@ def build_maintenance(
 ) -> Maintenance:
     settings = core.settings
     outbox = settings.outbox_worker
-    lock = DatabaseMaintenanceLock(core.db)
+    # one maintenance leader across processes: in Redis with Redis leases, else elected in the database
+    lock: DatabaseMaintenanceLock | RedisMaintenanceLock
+    if settings.lease.driver == "redis":
+        lock = RedisMaintenanceLock.from_config(settings.redis, settings.lease)
+        core.stack.push_async_callback(lock.aclose)
+    else:
+        lock = DatabaseMaintenanceLock(core.db)
     retention = RetentionSweeper(
         lock,
         [repository.delete_delivered, timer.purge_fired],

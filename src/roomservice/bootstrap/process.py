@@ -1,6 +1,8 @@
 """``Process``: the roles one room-service process runs, built from Settings, started and stopped together.
 
-``serve`` runs every role (the outbox worker when ``outbox_worker.enabled``);
+``serve`` runs every role (the outbox worker when ``outbox_worker.enabled``) and
+the gRPC room API (``room_api=True``: bound to ``grpc.host``/``grpc.port``, its
+address advertised in this process's Redis leases so the others forward to it);
 ``worker`` runs the outbox, timers and maintenance roles without HTTP. Tests
 start the same roles, built the same way; ``loops=False`` only leaves the
 background loops unstarted for tests that drive them by hand.
@@ -8,6 +10,7 @@ background loops unstarted for tests that drive them by hand.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -15,6 +18,7 @@ from typing import Final
 
 from roomservice.activity.service import RunningActivityService
 from roomservice.admin.operations import OutboxAdmin
+from roomservice.api.grpc import RunningRoomApi, start_room_api
 from roomservice.bootstrap.broker import broker_check, consumer_groups, open_broker, publishes_to_broker
 from roomservice.bootstrap.commands import Commands, build_commands
 from roomservice.bootstrap.consumers import build_consumers, needs_commands, needs_im, start_consumers
@@ -27,6 +31,7 @@ from roomservice.cell.registry import CellRegistry
 from roomservice.clock import wall_clock_ms
 from roomservice.config import Settings
 from roomservice.consumers.runtime import ConsumerRuntime
+from roomservice.grpc_server import format_target
 from roomservice.health import HealthChecks
 from roomservice.integrations.im_sandbox.server import RunningSandbox
 from roomservice.leases.port import LeaseManager
@@ -69,6 +74,7 @@ class Process:
     broker: Broker | None = None
     consumers: ConsumerRuntime | None = None
     im: ImParts | None = None
+    room_api: RunningRoomApi | None = None
 
     # ------------------------------------------------------------------ the parts, by name
 
@@ -137,12 +143,14 @@ class Process:
         publishers: Mapping[str, Publisher] | None = None,
         loops: bool = True,
         groups: frozenset[str] | None = None,
+        room_api: bool = False,
     ) -> AsyncIterator[Process]:
         """Build and start ``roles``; stop everything on exit.
 
         ``wallet`` replaces the configured wallet and ``publishers`` adds or
         replaces delivery targets (tests); ``loops=False`` builds the same
-        parts but starts no background loop; ``groups`` limits the consumers role to those groups.
+        parts but starts no background loop; ``groups`` limits the consumers role to those groups;
+        ``room_api`` serves the gRPC room API (with the API role).
         """
         chosen = frozenset(roles)
         unknown = chosen - ROLES
@@ -164,6 +172,9 @@ class Process:
         ):
             core = Core(settings=settings, db=db, clock=clock, stack=stack)
             process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {}, groups=groups)
+            _warn_single_owner(settings, chosen, db.dialect_name)
+            if room_api and API in chosen:
+                await process._start_room_api()
             if loops:
                 process._start()
             _log.info(
@@ -226,7 +237,7 @@ class Process:
             assert process.treasure_timer is not None and process.commands is not None
             process.timer_runner = TreasureTimerRunner(
                 process.treasure_timer,
-                process.commands.service.execute,
+                process.commands.forwarder.execute,  # a wake-up of a room another process holds goes there
                 idle_s=core.settings.outbox_worker.poll_interval.total_seconds(),
             )
             process.treasure_timer.on_scheduled = process.timer_runner.wake
@@ -247,6 +258,17 @@ class Process:
             )
         return process
 
+    async def _start_room_api(self) -> None:
+        commands = self._commands()
+        grpc_cfg = self.settings.grpc
+        self.room_api = await start_room_api(
+            commands.service, host=grpc_cfg.host, port=grpc_cfg.port, servicer=commands.forwarder.servicer()
+        )
+        advertised = grpc_cfg.advertise_address or format_target(_reachable_host(grpc_cfg.host), self.room_api.port)
+        if commands.redis_leases is not None:
+            commands.redis_leases.address = advertised
+        _log.info("room_api_advertised", address=advertised, lease_driver=self.settings.lease.driver)
+
     def _start(self) -> None:
         core = self.core
         if self.worker is not None:
@@ -261,6 +283,8 @@ class Process:
             start_consumers(core, self.consumers)
 
     async def _stop(self) -> None:
+        if self.room_api is not None:
+            await self.room_api.stop(grace=1.0)
         if self.timer_runner is not None:
             self.timer_runner.stop()
         grace_s = self.settings.outbox_worker.publish_timeout.total_seconds()
@@ -277,3 +301,24 @@ class Process:
             if self.commands is not None:
                 await self.commands.stop()
             _log.info("process_stopped", roles=sorted(self.roles))
+
+
+def _reachable_host(host: str) -> str:
+    """The host others reach a server bound to ``host`` at (a wildcard bind: this machine's name)."""
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return host
+
+
+def _warn_single_owner(settings: Settings, roles: frozenset[str], dialect: str) -> None:
+    """Several processes serving commands need Redis leases; say so where it cannot be checked."""
+    if API in roles and settings.lease.driver == "inprocess" and dialect != "sqlite":
+        _log.warning(
+            "single_process_leases",
+            message=(
+                "lease.driver is inprocess on a shared database: run exactly one process serving commands, "
+                "or set lease.driver: redis; other processes cannot be detected reliably, and two owners of a "
+                "room fence each other off (503 retry) instead of sharing it"
+            ),
+            database=dialect,
+        )

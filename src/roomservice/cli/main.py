@@ -77,6 +77,9 @@ def serve(
 ) -> None:
     """Run the HTTP API with Room Cells and every in-process part the config enables.
 
+    The gRPC room API runs beside it on grpc.host and grpc.port (0 = any free
+    port; the bound port is written to the file grpc-port in the data dir).
+
     SIGTERM or SIGINT stops it gracefully: no new connections, requests in flight
     answer, outbox claims are handed back, exit status 0.
     """
@@ -123,8 +126,10 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
 
     log = get_logger("roomservice.cli")
     stop = GracefulStop(deadline_s=_stop_deadline_s(settings, http=True)).install()
-    async with Process.running(settings) as runtime:
+    async with Process.running(settings, room_api=True) as runtime:
         restrict_database_files(settings)
+        assert runtime.commands is not None and runtime.room_api is not None
+        (data_dir / "grpc-port").write_text(f"{runtime.room_api.port}\n")
         api = create_app(
             ApiContext(
                 service=runtime.service,
@@ -133,6 +138,7 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 outbox_admin=runtime.outbox_admin,
                 metrics=settings.metrics.enabled,
                 body_read_timeout_s=settings.http.body_read_timeout.total_seconds(),
+                forwarder=runtime.commands.forwarder,
             )
         )
         server = _Server(
