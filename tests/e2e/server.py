@@ -37,7 +37,13 @@ class ServerProcess:
     """A ``room-service serve`` child; ``kill()`` is SIGKILL, no goodbyes."""
 
     def __init__(
-        self, *, config: Path | None, data_dir: Path, port: int | None = None, cwd: Path | None = None
+        self,
+        *,
+        config: Path | None,
+        data_dir: Path,
+        port: int | None = None,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.config = config  # None: no --config and no --data-dir, exactly as a newcomer runs it (from cwd)
         self.cwd = cwd
@@ -45,6 +51,7 @@ class ServerProcess:
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
+        self.env = env or {}  # added to the environment of the child
 
     @property
     def url(self) -> str:
@@ -61,7 +68,7 @@ class ServerProcess:
             cwd=self.cwd,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
