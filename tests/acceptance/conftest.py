@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest_asyncio
 import sqlalchemy as sa
-from tests.service.conftest import make_settings
+from tests.service.conftest import DIRECT, make_settings
 
 from roomservice.bootstrap import Process
 from roomservice.store import tables as t
@@ -23,17 +23,6 @@ FAST_RETRIES = {
     "outbox_worker.publish_timeout": "1s",
     "outbox_worker.lock_timeout": "10s",
     "tencent_im.request_timeout": "1s",
-}
-
-
-# direct mode, as the seed's code defaults have it (configs/local.yaml runs the mq topology)
-DIRECT = {
-    "outbox_worker.publish_mode": "direct",
-    "rocketmq.room_outbox.enabled": False,
-    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
-    "rocketmq.treasure_open.enabled": False,
-    "consumers.activity.enabled": False,
-    "consumers.notice.enabled": False,
 }
 
 

@@ -21,7 +21,7 @@ import pytest
 import pytest_asyncio
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
-from tests.service.conftest import make_settings
+from tests.service.conftest import DIRECT, make_settings
 from tests.tcp_proxy import TcpProxy
 
 from roomservice.api.app import ApiContext, create_app
@@ -186,6 +186,7 @@ async def service_through_proxy(
     settings = make_settings(
         through(proxy, fresh_mariadb_url),
         tmp_path,
+        **DIRECT,  # the fault is the database: the targets are fakes
         **{
             "database.timeout": f"{int(D * 1000)}ms",
             "outbox_worker.poll_interval": "100ms",
@@ -286,6 +287,7 @@ async def test_stopping_during_a_blackhole_is_bounded(fresh_mariadb_url: str, pr
     settings = make_settings(
         through(proxy, fresh_mariadb_url),
         tmp_path,
+        **DIRECT,
         **{"database.timeout": f"{int(D * 1000)}ms", "outbox_worker.publish_timeout": "500ms"},
     )
     fakes = {IM: FakePublisher(IM), ACTIVITY: FakePublisher(ACTIVITY)}

@@ -28,6 +28,18 @@ class Clock:
         self.now_ms += ms
 
 
+# direct mode, as the seed's code defaults have it (configs/local.yaml, which make_settings starts from,
+# runs the mq topology with its four consumer groups)
+DIRECT: dict[str, Any] = {
+    "outbox_worker.publish_mode": "direct",
+    "rocketmq.room_outbox.enabled": False,
+    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
+    "rocketmq.treasure_open.enabled": False,
+    "consumers.activity.enabled": False,
+    "consumers.notice.enabled": False,
+}
+
+
 def make_settings(database_url: str, data_dir: Path, **overrides: Any) -> Settings:
     base = load_settings().with_data_dir(data_dir)
     return base.with_overrides({"database.url": database_url, **overrides})
