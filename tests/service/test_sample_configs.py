@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import redis
 from sqlalchemy.engine import make_url
+from structlog.testing import capture_logs
 from tests.fakes.rocketmq_proxy import FakeRocketMQProxy
 from tests.nats_server import OwnNatsServer
 from tests.redis_server import OwnRedisServer
 from tests.wallet_server import running_wallet_server
 
-from roomservice.bootstrap import Process
+from roomservice.bootstrap import API, Process
 from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.brokers.nats import NatsBroker
 from roomservice.brokers.rocketmq import RocketMQBroker
@@ -202,3 +203,17 @@ async def test_tencent_cloud_sample_runs_with_addresses_from_the_environment(
                 assert all(call.auth.valid for call in proxy.calls if call.method == "SendMessage")
     finally:
         proxy.stop()
+
+
+async def test_inprocess_leases_on_a_shared_database_warn_at_start(tmp_path: Path, fresh_mariadb_url: str) -> None:
+    settings = local_settings(tmp_path, **{"database.url": fresh_mariadb_url})
+    with capture_logs() as logs:
+        async with Process.running(settings, roles=(API,), loops=False):
+            pass
+    warned = [line for line in logs if line["event"] == "single_process_leases"]
+    assert len(warned) == 1 and warned[0]["log_level"] == "warning"
+    assert "lease.driver: redis" in warned[0]["message"]
+    with capture_logs() as sqlite_logs:
+        async with Process.running(local_settings(tmp_path / "lite"), roles=(API,), loops=False):
+            pass
+    assert not [line for line in sqlite_logs if line["event"] == "single_process_leases"]
