@@ -567,6 +567,19 @@ class Settings(_Block):
             _fail("must be set when lease.driver is redis", "redis.url")
         if self.lease.driver == "redis" and not self.grpc.shared_secret.get_secret_value():
             _fail("must be set when lease.driver is redis (it authenticates forwarded calls)", "grpc.shared_secret")
+        if self.lease.driver == "redis":  # N processes: the in-process helpers must not multiply
+            if self.tencent_im.enabled and not self.tencent_im.base_url and _talks_to_im(self):
+                _fail(
+                    "must be set when lease.driver is redis: the processes share one IM (Tencent IM, or one "
+                    "`room-service im-sandbox`), not an in-process sandbox each",
+                    "tencent_im.base_url",
+                )
+            if _publishes_direct(self) and not self.activity.target:
+                _fail(
+                    "must be set when lease.driver is redis: the processes share one activity service "
+                    "(`room-service activity serve`), not an in-process one each",
+                    "activity.target",
+                )
         return self
 
     def _broker_problem(self) -> str | None:
@@ -682,6 +695,12 @@ def _broker_in_use(s: Settings) -> bool:
 
 def _publishes_outbox_to_broker(s: Settings) -> bool:
     return s.outbox_worker.enabled and s.outbox_worker.publish_mode in ("mq", "dual")
+
+
+def _talks_to_im(s: Settings) -> bool:
+    return (
+        _publishes_direct(s) or s.rocketmq.room_outbox.tencent_im_consumer_enabled or s.consumers.notice.enabled
+    )
 
 
 def _publishes_direct(s: Settings) -> bool:

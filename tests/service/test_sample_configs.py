@@ -138,21 +138,27 @@ async def check_scale_out_parts(process: Process, redis_url: str) -> None:
 async def test_docker_sample_runs_with_addresses_from_the_environment(
     tmp_path: Path, fresh_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
 ) -> None:
-    env = {
-        "ROOMSERVICE_ADMIN_TOKEN": "t",
-        "ROOMSERVICE_DATABASE_URL": fresh_mariadb_url,
-        "ROOMSERVICE_REDIS_URL": own_redis.url,
-        "ROOMSERVICE_NATS_URL": own_server.url,
-        "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret",
-        "ROOMSERVICE_GRPC_HOST": "127.0.0.1",
-        "ROOMSERVICE_GRPC_PORT": "0",
-    }
-    settings = load_settings(LOCAL.with_name("docker.yaml"), env=env).with_data_dir(tmp_path)
-    async with Process.running(settings, room_api=True) as process:
-        assert process.db.dialect_name == "mysql"
-        assert isinstance(process.broker, NatsBroker)
-        assert process.worker is not None and process.worker.options.mode is PublishMode.MQ
-        await check_scale_out_parts(process, own_redis.url)
+    async with running_sandbox(1400000000, "im-key", rate_limit_per_second=None) as sandbox:
+        env = {
+            "ROOMSERVICE_ADMIN_TOKEN": "t",
+            "ROOMSERVICE_DATABASE_URL": fresh_mariadb_url,
+            "ROOMSERVICE_REDIS_URL": own_redis.url,
+            "ROOMSERVICE_NATS_URL": own_server.url,
+            "ROOMSERVICE_TENCENT_IM_BASE_URL": sandbox.base_url,  # the one IM every process shares
+            "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "im-key",
+            "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret",
+            "ROOMSERVICE_GRPC_HOST": "127.0.0.1",
+            "ROOMSERVICE_GRPC_PORT": "0",
+        }
+        settings = load_settings(LOCAL.with_name("docker.yaml"), env=env).with_data_dir(tmp_path)
+        async with Process.running(settings, room_api=True) as process:
+            assert process.db.dialect_name == "mysql"
+            assert isinstance(process.broker, NatsBroker)
+            assert process.worker is not None and process.worker.options.mode is PublishMode.MQ
+            assert process.sandbox is None and process.activity_service is None  # no in-process helper multiplies
+            await check_scale_out_parts(process, own_redis.url)
+            group = group_id_for("demo", "r1", group_type=settings.tencent_im.group_type)
+            assert sandbox.state.group(group) is not None
 
 
 async def test_tencent_cloud_sample_runs_with_addresses_from_the_environment(

@@ -72,7 +72,9 @@ DOCKER_ENV = {
     "ROOMSERVICE_ADMIN_TOKEN": "docker-admin-token-123",
     "DB_PASSWORD": "maria@db:pw/1",
     "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret-pqr",
+    "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "im-secret-vwx",
 }
+DOCKER_SECRETS = {"ROOMSERVICE_GRPC_SHARED_SECRET": "p", "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "k"}
 TENCENT_ENV = {
     "MYSQL_HOST": "10.0.0.3",
     "MYSQL_USER": "room",
@@ -101,6 +103,7 @@ SECRETS = [
     "admin-token-mno",
     "peer-secret-pqr",
     "peer-secret-stu",
+    "im-secret-vwx",
 ]
 
 
@@ -251,7 +254,7 @@ def test_docker_sample_needs_the_peers_shared_secret() -> None:
 
 def test_redis_leases_need_a_shared_secret() -> None:
     assert "grpc.shared_secret must be set when lease.driver is redis" in config_error({"lease": {"driver": "redis"}})
-    s = load({"lease": {"driver": "redis"}, "grpc": {"shared_secret": "s3"}})
+    s = load({"lease": {"driver": "redis"}, "grpc": {"shared_secret": "s3"}, "outbox_worker": {"enabled": False}})
     assert s.lease.driver == "redis" and s.grpc.shared_secret.get_secret_value() == "s3"
     assert "s3" not in repr(s)
 
@@ -287,7 +290,7 @@ def test_docker_sample_loads_with_its_environment() -> None:
 
 @pytest.mark.usefixtures("all_built")
 def test_docker_sample_db_password_is_optional_but_admin_token_is_not() -> None:
-    secret = {"ROOMSERVICE_GRPC_SHARED_SECRET": "p"}
+    secret = DOCKER_SECRETS
     s = load_settings(PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t", **secret})
     assert s.database.connect_url() == "mysql+asyncmy://root@mariadb:3306/room"
     with pytest.raises(ConfigError, match=r"admin\.token.*ROOMSERVICE_ADMIN_TOKEN"):
@@ -557,8 +560,28 @@ def test_not_available_choices_are_real_keys_with_a_different_default() -> None:
 
 
 def test_with_overrides_takes_redis_leases_with_a_secret() -> None:
-    s = load_settings(env={}).with_overrides({"lease.driver": "redis", "grpc.shared_secret": "x"})
+    s = load_settings(env={}).with_overrides(
+        {
+            "lease.driver": "redis",
+            "grpc.shared_secret": "x",
+            "tencent_im.base_url": "http://im:1",
+            "tencent_im.sdk_app_id": 1,
+            "tencent_im.secret_key": "k",
+            "activity.target": "act:1",
+        }
+    )
     assert s.lease.driver == "redis"
+
+
+def test_redis_leases_refuse_in_process_helpers_that_would_multiply() -> None:
+    base: dict[str, Any] = {"lease": {"driver": "redis"}, "grpc": {"shared_secret": "s"}}
+    problem = config_error({**base, "outbox_worker": {"publish_mode": "direct"}})
+    assert "tencent_im.base_url must be set when lease.driver is redis" in problem
+    shared_im = {"base_url": "http://im:1", "sdk_app_id": 1, "secret_key": "k"}
+    problem = config_error({**base, "tencent_im": shared_im})
+    assert "activity.target must be set when lease.driver is redis" in problem
+    assert load({**base, "tencent_im": shared_im, "activity": {"target": "act:1"}}).activity.target == "act:1"
+    assert load({**base, "tencent_im": {"enabled": False}, "outbox_worker": {"enabled": False}}).lease.driver == "redis"
 
 
 @pytest.mark.parametrize(("data", "expected"), [c for c in CASES_ONCE_BUILT if c not in CASES_STILL_UNBUILT])
@@ -983,14 +1006,12 @@ def test_local_sample_addresses_are_overridden_from_the_environment() -> None:
 
 @pytest.mark.usefixtures("all_built")
 def test_docker_sample_addresses_default_to_compose_service_names_and_are_overridden() -> None:
-    s = load_settings(
-        PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t", "ROOMSERVICE_GRPC_SHARED_SECRET": "p"}
-    )
+    s = load_settings(PACKAGED / "docker.yaml", env={"ROOMSERVICE_ADMIN_TOKEN": "t", **DOCKER_SECRETS})
     assert s.database.url == "mysql+asyncmy://root@mariadb:3306/room"
     assert s.redis.url == "redis://redis:6379/0"
     assert s.broker.nats.url == "nats://nats:4222"
     assert (s.http.host, s.http.port) == ("0.0.0.0", 8080)
-    assert (s.tencent_im.base_url, s.activity.target) == ("", "")
+    assert (s.tencent_im.base_url, s.activity.target) == ("http://im-sandbox:8090", "")
     env = {
         "ROOMSERVICE_ADMIN_TOKEN": "t",
         "ROOMSERVICE_DATABASE_URL": "mysql+asyncmy://root@127.0.0.1:3306/room",
@@ -998,7 +1019,7 @@ def test_docker_sample_addresses_default_to_compose_service_names_and_are_overri
         "ROOMSERVICE_NATS_URL": "nats://127.0.0.1:4222",
         "ROOMSERVICE_HTTP_PORT": "0",
         "ROOMSERVICE_ACTIVITY_TARGET": "127.0.0.1:9000",
-        "ROOMSERVICE_GRPC_SHARED_SECRET": "p",
+        **DOCKER_SECRETS,
         "ROOMSERVICE_GRPC_HOST": "127.0.0.1",
         "ROOMSERVICE_GRPC_PORT": "0",
     }

@@ -86,10 +86,14 @@ def test_check_masks_every_secret(tmp_path: Path) -> None:
 
 
 def test_check_of_the_docker_sample_loads_with_its_environment() -> None:
-    env = {"ROOMSERVICE_ADMIN_TOKEN": "t", "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret-1"}
+    env = {
+        "ROOMSERVICE_ADMIN_TOKEN": "t",
+        "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret-1",
+        "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "im-key-1",
+    }
     result = runner.invoke(cli, ["config", "check", "--config", str(CONFIGS / "docker.yaml")], env=env)
     assert result.exit_code == 0, result.output
-    assert "peer-secret-1" not in result.output
+    assert "peer-secret-1" not in result.output and "im-key-1" not in result.output
     printed = yaml.safe_load(result.stdout)  # the inactive keys are YAML comments
     assert printed["lease"]["driver"] == "redis"
     assert printed["grpc"]["shared_secret"] == MASK
@@ -98,7 +102,9 @@ def test_check_of_the_docker_sample_loads_with_its_environment() -> None:
 
 def test_check_of_the_docker_sample_without_the_peers_secret_names_it() -> None:
     result = runner.invoke(
-        cli, ["config", "check", "--config", str(CONFIGS / "docker.yaml")], env={"ROOMSERVICE_ADMIN_TOKEN": "t"}
+        cli,
+        ["config", "check", "--config", str(CONFIGS / "docker.yaml")],
+        env={"ROOMSERVICE_ADMIN_TOKEN": "t", "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "k"},
     )
     assert result.exit_code == 2
     assert result.stdout == ""
