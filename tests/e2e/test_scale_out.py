@@ -8,7 +8,9 @@ are published, nobody needs to consume them here), and the gRPC room API on a
 free port each. ``database.timeout`` is 1s: a SIGSTOPped owner paused inside a
 transaction holds its row locks until MariaDB's ``idle_transaction_timeout``
 (2 x database.timeout) ends its session, and the takeover waits for that. A
-client that gets ``503`` retries with the same command_id, as the contract says; "acknowledged" means it got a ``200``.
+client that gets ``503`` retries with the same command_id, as the contract says;
+"acknowledged" means it got a ``200``. The last test runs configs/docker.yaml as
+written (NATS, a redis-server and one shared ``room-service im-sandbox`` of its own).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,12 +32,14 @@ import grpc.aio
 import httpx
 import pytest
 import redis
-from tests.e2e.server import ServerProcess
+from tests.e2e.server import ServerProcess, free_port
+from tests.nats_server import OwnNatsServer
 from tests.redis_server import OwnRedisServer
 
 from roomservice.api import grpc as api
 from roomservice.domain import commands as c
 from roomservice.forwarding import HOP_KEY, SECRET_KEY
+from roomservice.integrations.tencent_im.client import group_id_for
 from roomservice.proto import room_api_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -42,6 +48,7 @@ APP = "scale"
 SECRET = "peer-secret-for-tests"
 TTL_S = 2.0
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
+DOCKER_YAML = Path(__file__).resolve().parents[2] / "configs" / "docker.yaml"
 
 
 def cluster_config(path: Path, *, database_url: str, redis_url: str, prefix: str) -> Path:
@@ -63,8 +70,9 @@ gifts:
 
 
 class Node:
-    def __init__(self, server: ServerProcess) -> None:
+    def __init__(self, server: ServerProcess, *, admin_token: str | None = None) -> None:
         self.server = server
+        self.admin_token = admin_token  # None: the one generated into the data dir
 
     @property
     def url(self) -> str:
@@ -80,7 +88,7 @@ class Node:
         return self.server.proc.pid
 
     def admin_status(self) -> dict[str, Any]:
-        token = (self.server.data_dir / "admin-token").read_text().strip()
+        token = self.admin_token or (self.server.data_dir / "admin-token").read_text().strip()
         resp = httpx.get(f"{self.url}/admin/status", headers={"authorization": f"Bearer {token}"}, timeout=5)
         assert resp.status_code == 200, resp.text
         result: dict[str, Any] = resp.json()
@@ -404,4 +412,62 @@ async def test_redis_restarted_under_load_503s_then_full_service(
     finally:
         for node in nodes:
             node.server.kill()
+        own.kill()
+
+
+# --------------------------------------------------------------------------- docker.yaml as written
+
+
+async def test_two_processes_run_the_docker_sample_as_written(
+    tmp_path: Path, fresh_mariadb_url: str, own_server: OwnNatsServer
+) -> None:
+    """configs/docker.yaml unchanged, its addresses from the environment: N processes, one shared IM sandbox."""
+    own = OwnRedisServer()
+    own.start()
+    im_port = free_port()
+    im = subprocess.Popen(
+        [sys.executable, "-m", "roomservice.cli", "im-sandbox", "--port", str(im_port), "--sdk-app-id", "1400000000"],
+        env={**os.environ, "TENCENT_IM_SECRET_KEY": "im-key"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    env = {
+        "ROOMSERVICE_ADMIN_TOKEN": "t",
+        "ROOMSERVICE_GRPC_SHARED_SECRET": SECRET,
+        "ROOMSERVICE_DATABASE_URL": fresh_mariadb_url,
+        "ROOMSERVICE_REDIS_URL": own.url,
+        "ROOMSERVICE_NATS_URL": own_server.url,
+        "ROOMSERVICE_HTTP_HOST": "127.0.0.1",
+        "ROOMSERVICE_GRPC_HOST": "127.0.0.1",
+        "ROOMSERVICE_GRPC_PORT": "0",
+        "ROOMSERVICE_TENCENT_IM_BASE_URL": f"http://127.0.0.1:{im_port}",
+        "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "im-key",
+    }
+    nodes: list[Node] = []
+    try:
+        for i in range(2):
+            server = ServerProcess(config=DOCKER_YAML, data_dir=tmp_path / f"d{i}", env=env)
+            server.start()
+            nodes.append(Node(server, admin_token="t"))
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            created = await create_room(http, nodes[0], "w1")
+            resp = await post(
+                http, nodes[1].url, f"/v1/apps/{APP}/rooms/w1/join", {"command_id": "w-j1", "user_id": "u1"}
+            )
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["version"] == created + 1
+            assert owner_address(own.url, "roomservice:", "w1") == nodes[0].grpc_target  # docker.yaml's prefix
+            assert [n.admin_status()["active_cells"] for n in nodes] == [1, 0]
+            for node in nodes:
+                rooms = (await http.get(f"{node.url}/v1/apps/{APP}/rooms")).json()["rooms"]
+                assert [(r["room_id"], r["version"]) for r in rooms] == [("w1", created + 1)]
+            group = await http.get(f"http://127.0.0.1:{im_port}/_sandbox/state")
+            assert group.status_code == 200
+            expected = group_id_for(APP, "w1", group_type="AVChatRoom")
+            assert expected in json.dumps(group.json()["groups"])  # the one shared IM got the room's group
+    finally:
+        for node in nodes:
+            node.server.kill()
+        im.kill()
+        im.wait()
         own.kill()
