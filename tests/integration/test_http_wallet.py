@@ -68,7 +68,10 @@ async def runtime_with(
     settings: Settings, clock: Clock, base_url: str, *, api_key: str = API_KEY
 ) -> AsyncIterator[Process]:
     wallet = HttpWallet(base_url, api_key=api_key, timeout_s=settings.wallet.timeout.total_seconds())
-    async with wallet, Process.running(settings, clock=clock, wallet=wallet, roles=(API, MAINTENANCE), loops=False) as rt:
+    async with (
+        wallet,
+        Process.running(settings, clock=clock, wallet=wallet, roles=(API, MAINTENANCE), loops=False) as rt,
+    ):
         yield rt
 
 
