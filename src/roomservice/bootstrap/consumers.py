@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 
 from roomservice.activity.store import ActivityStore
@@ -19,9 +20,9 @@ from roomservice.consumers.treasure_open import TreasureOpenHandler
 from roomservice.outbox.model import IM
 
 
-def needs_commands(core: Core) -> bool:
-    """Whether an enabled group sends commands to rooms (the treasure-open group does)."""
-    return core.settings.rocketmq.treasure_open.enabled
+def needs_commands(settings: Settings, specs: Sequence[GroupSpec]) -> bool:
+    """Whether a group this process runs sends commands to rooms (the treasure-open group does)."""
+    return any(spec.group == settings.rocketmq.treasure_open.consumer_group for spec in specs)
 
 
 def needs_im(
@@ -101,8 +102,6 @@ def start_consumers(core: Core, runtime: ConsumerRuntime) -> None:
 
 
 async def _sample(runtime: ConsumerRuntime, interval_s: float = 15.0) -> None:
-    import asyncio
-
     while True:
         await runtime.sample_stats()
         await asyncio.sleep(interval_s)

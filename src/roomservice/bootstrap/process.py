@@ -205,11 +205,11 @@ class Process:
         process = cls(core=core, roles=roles)
         settings = core.settings
         core.health.register("database", SqlRoomStore(core.db).ping)
-        if roles & {API, TIMERS, MAINTENANCE} or (CONSUMERS in roles and needs_commands(core)):
+        specs = [
+            s for s in consumer_groups(settings) if CONSUMERS in roles and (groups is None or s.group in groups)
+        ]
+        if roles & {API, TIMERS, MAINTENANCE} or needs_commands(settings, specs):
             process.commands = await build_commands(core, wallet=wallet)
-        specs = [s for s in consumer_groups(settings) if groups is None or s.group in groups]
-        if CONSUMERS not in roles:
-            specs = []
         if needs_im(settings, roles, specs, publishers):
             process.im = await start_im(core)
         if (OUTBOX in roles and publishes_to_broker(settings)) or specs:
