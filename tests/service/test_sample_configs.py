@@ -24,7 +24,7 @@ from tests.nats_server import OwnNatsServer
 from tests.redis_server import OwnRedisServer
 from tests.wallet_server import running_wallet_server
 
-from roomservice.bootstrap import API, WORKER_ROLES, Process
+from roomservice.bootstrap import API, Process
 from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.brokers.nats import NatsBroker
 from roomservice.brokers.rocketmq import RocketMQBroker
@@ -159,27 +159,6 @@ async def test_docker_sample_runs_with_addresses_from_the_environment(
             await check_scale_out_parts(process, own_redis.url)
             group = group_id_for("demo", "r1", group_type=settings.tencent_im.group_type)
             assert sandbox.state.group(group) is not None
-
-
-async def test_a_worker_on_redis_leases_serves_the_room_api_its_leases_name(
-    tmp_path: Path, fresh_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
-) -> None:
-    async with running_sandbox(1400000000, "im-key", rate_limit_per_second=None) as sandbox:
-        env = {
-            "ROOMSERVICE_ADMIN_TOKEN": "t",
-            "ROOMSERVICE_DATABASE_URL": fresh_mariadb_url,
-            "ROOMSERVICE_REDIS_URL": own_redis.url,
-            "ROOMSERVICE_NATS_URL": own_server.url,
-            "ROOMSERVICE_TENCENT_IM_BASE_URL": sandbox.base_url,
-            "ROOMSERVICE_TENCENT_IM_SECRET_KEY": "im-key",
-            "ROOMSERVICE_GRPC_SHARED_SECRET": "peer-secret",
-            "ROOMSERVICE_GRPC_HOST": "127.0.0.1",
-            "ROOMSERVICE_GRPC_PORT": "0",
-        }
-        settings = load_settings(LOCAL.with_name("docker.yaml"), env=env).with_data_dir(tmp_path)
-        async with Process.running(settings, roles=WORKER_ROLES) as process:  # what `room-service worker` runs
-            assert process.room_api is not None
-            assert isinstance(process.leases, RedisLeases) and process.leases.address == process.room_api.target
 
 
 async def test_tencent_cloud_sample_runs_with_addresses_from_the_environment(

@@ -173,10 +173,7 @@ class Process:
             core = Core(settings=settings, db=db, clock=clock, stack=stack)
             process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {}, groups=groups)
             _warn_single_owner(settings, chosen, db.dialect_name)
-            # a process that can take a room's Redis lease (a worker's timers, a consumer's treasure-open) must be
-            # reachable at the address its lease names, or the others answer 503 for that room until it expires
-            redis_leases = process.commands is not None and process.commands.redis_leases is not None
-            if (room_api and API in chosen) or redis_leases:
+            if room_api and API in chosen:
                 await process._start_room_api()
             if loops:
                 process._start()
