@@ -274,13 +274,13 @@ async def test_mariadb_sessions_carry_limits_that_are_multiples_of_the_deadline(
                     sa.text("SELECT @@max_statement_time, @@innodb_lock_wait_timeout, @@idle_transaction_timeout")
                 )
             ).one()
-        assert (float(limits[0]), int(limits[1]), int(limits[2])) == (1.5, 2, 3)
+        assert (float(limits[0]), int(limits[1]), int(limits[2])) == (1.125, 2, 3)
     finally:
         await db.dispose()
 
 
 def test_mysql_servers_get_their_own_statement_limit() -> None:
-    assert session_limits_sql("mysql", 0.5) == ("SET SESSION max_execution_time = 500, innodb_lock_wait_timeout = 1")
+    assert session_limits_sql("mysql", 0.5) == ("SET SESSION max_execution_time = 375, innodb_lock_wait_timeout = 1")
     assert "idle_transaction_timeout = 1" in session_limits_sql("mariadb", 0.5)
 
 
@@ -311,6 +311,6 @@ async def test_an_unbounded_write_lifts_the_limits_of_its_session_only(mariadb_u
         assert (float(lifted[0]), int(lifted[1])) == (0.0, 0)
         async with db.read() as conn:
             again = (await conn.execute(sa.text("SELECT CONNECTION_ID(), @@max_statement_time"))).one()
-        assert again[0] != session and float(again[1]) == 0.4
+        assert again[0] != session and float(again[1]) == 0.3
     finally:
         await db.dispose()

@@ -41,7 +41,9 @@ client, SQLite                  the running statement is interrupted at ``D``; a
 pool checkout, TCP connect      ``D`` (inside the call's deadline anyway)
 driver read timeout             ``2 D``: a backstop for code that takes a connection
                                 from ``engine`` directly (the maintenance lock)
-server ``max_statement_time``   ``D`` (MySQL: ``max_execution_time``, SELECTs only)
+server ``max_statement_time``   ``0.75 D`` (MySQL: ``max_execution_time``, SELECTs only):
+                                the server ends a long statement with an answered error
+                                before the client gives up, so that session stays pooled
 ``innodb_lock_wait_timeout``    ``ceil(D)`` seconds
 ``idle_transaction_timeout``    ``ceil(2 D)`` seconds (MariaDB): a live client never
                                 idles inside a transaction longer than its deadline
@@ -415,17 +417,22 @@ _UNBOUNDED_SESSION_SQL: Final = {
 }
 
 
+# The server's statement limit is this share of the call deadline: it fires first.
+_STATEMENT_SHARE: Final = 0.75
+
+
 def session_limits_sql(server: str, timeout_s: float) -> str:
     """The ``SET SESSION`` run on every new MySQL/MariaDB connection (see the module docs)."""
     lock_wait_s = max(1, math.ceil(timeout_s))
+    statement_s = _STATEMENT_SHARE * timeout_s
     if server == _SERVER_MARIADB:
         idle_s = max(1, math.ceil(2 * timeout_s))
         return (
-            f"SET SESSION max_statement_time = {timeout_s:.3f}, innodb_lock_wait_timeout = {lock_wait_s}, "
+            f"SET SESSION max_statement_time = {statement_s:.3f}, innodb_lock_wait_timeout = {lock_wait_s}, "
             f"idle_transaction_timeout = {idle_s}"
         )
     return (
-        f"SET SESSION max_execution_time = {max(1, round(timeout_s * 1000))}, innodb_lock_wait_timeout = {lock_wait_s}"
+        f"SET SESSION max_execution_time = {max(1, round(statement_s * 1000))}, innodb_lock_wait_timeout = {lock_wait_s}"
     )
 
 
