@@ -1,35 +1,40 @@
-"""Scale-out acceptance (issue 10): real ``serve`` processes sharing MariaDB and Redis.
+"""Scale-out acceptance (issue 10): real ``serve`` processes sharing MariaDB, Redis and NATS JetStream.
 
 Every test starts its processes on a fresh MariaDB database, with ``lease.driver:
 redis`` (ttl 2s), a Redis key prefix of its own on the shared Redis (the Redis
-restart test runs its own redis-server), ``publish_mode: mq`` on the embedded
-broker (a queue in the same MariaDB database; no consumer group: the outbox rows
-are published, nobody needs to consume them here), and the gRPC room API on a
-free port each. ``database.timeout`` is 1s: a SIGSTOPped owner paused inside a
-transaction holds its row locks until MariaDB's ``idle_transaction_timeout``
-(2 x database.timeout) ends its session, and the takeover waits for that. A
-client that gets ``503`` retries with the same command_id, as the contract says;
-"acknowledged" means it got a ``200``. The last test runs configs/docker.yaml as
-written (NATS, a redis-server and one shared ``room-service im-sandbox`` of its own).
+restart test runs its own redis-server), ``publish_mode: mq`` on the shared NATS
+JetStream under a stream and subject namespace (``rocketmq.namespace``) of the
+test alone, deleted afterwards (no consumer group: the outbox rows are published,
+nobody needs to consume them here), and the gRPC room API on a free port each.
+``database.timeout`` is 1s: a SIGSTOPped owner paused inside a transaction holds
+its row locks until MariaDB's ``idle_transaction_timeout`` (2 x database.timeout)
+ends its session, and the takeover waits for that. A client that gets ``503``
+retries with the same command_id, as the contract says; "acknowledged" means it
+got a ``200``. The last test runs configs/docker.yaml as written (a nats-server,
+a redis-server and one shared ``room-service im-sandbox`` of its own).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import grpc.aio
 import httpx
+import nats
 import pytest
 import redis
 from tests.e2e.server import ServerProcess, free_port
@@ -48,10 +53,38 @@ APP = "scale"
 SECRET = "peer-secret-for-tests"
 TTL_S = 2.0
 SHARED_REDIS = "redis://127.0.0.1:6379/0"
+SHARED_NATS = "nats://127.0.0.1:4222"
 DOCKER_YAML = Path(__file__).resolve().parents[2] / "configs" / "docker.yaml"
 
 
-def cluster_config(path: Path, *, database_url: str, redis_url: str, prefix: str) -> Path:
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A stream and subject namespace of one test on the shared NATS (subjects may not overlap across streams)."""
+
+    name: str
+    namespace: str
+
+
+@pytest.fixture
+def stream(require_service: Any) -> Iterator[Stream]:
+    require_service("NATS", "127.0.0.1", 4222)
+    tag = secrets.token_hex(4)
+    value = Stream(name=f"scale_{tag}", namespace=f"scale{tag}")
+    yield value
+    asyncio.run(_drop_streams(value.name))
+
+
+async def _drop_streams(name: str) -> None:
+    nc = await nats.connect(SHARED_NATS)
+    try:
+        for each in (name, f"{name}_dlq"):
+            with contextlib.suppress(Exception):  # a stream nobody published to was never created
+                await nc.jetstream().delete_stream(each)
+    finally:
+        await nc.close()
+
+
+def cluster_config(path: Path, *, database_url: str, redis_url: str, prefix: str, stream: Stream) -> Path:
     path.write_text(
         f"""
 logging: {{level: info, json: true}}
@@ -60,8 +93,8 @@ lease: {{driver: redis, ttl: "2s", renew_every: "400ms", safety_margin: "500ms"}
 redis: {{url: "{redis_url}", key_prefix: "{prefix}", socket_timeout: "300ms", socket_connect_timeout: "300ms"}}
 grpc: {{host: 127.0.0.1, port: 0, shared_secret: "${{ROOMSERVICE_GRPC_SHARED_SECRET}}", forward_timeout: "1s"}}
 outbox_worker: {{enabled: true, publish_mode: mq}}
-rocketmq: {{room_outbox: {{enabled: true}}}}
-broker: {{driver: embedded}}
+rocketmq: {{namespace: "{stream.namespace}", room_outbox: {{enabled: true}}}}
+broker: {{driver: nats, nats: {{url: "{SHARED_NATS}", stream: "{stream.name}"}}}}
 gifts:
   - {{id: rose, name: Rose, price: 10}}
 """
@@ -120,8 +153,10 @@ def start_nodes(tmp_path: Path, config: Path, n: int) -> list[Node]:
 
 
 @pytest.fixture
-def three(tmp_path: Path, fresh_mariadb_url: str, prefix: str) -> Iterator[list[Node]]:
-    config = cluster_config(tmp_path / "c.yaml", database_url=fresh_mariadb_url, redis_url=SHARED_REDIS, prefix=prefix)
+def three(tmp_path: Path, fresh_mariadb_url: str, prefix: str, stream: Stream) -> Iterator[list[Node]]:
+    config = cluster_config(
+        tmp_path / "c.yaml", database_url=fresh_mariadb_url, redis_url=SHARED_REDIS, prefix=prefix, stream=stream
+    )
     nodes = start_nodes(tmp_path, config, 3)
     try:
         yield nodes
@@ -220,7 +255,19 @@ async def load(
 # --------------------------------------------------------------------------- (a) round robin
 
 
-async def test_commands_round_robin_over_three_processes_succeed_in_order(three: list[Node], prefix: str) -> None:
+async def stream_messages(stream: Stream) -> int:
+    nc = await nats.connect(SHARED_NATS)
+    try:
+        return int((await nc.jetstream().stream_info(stream.name)).state.messages)
+    except nats.js.errors.NotFoundError:
+        return 0
+    finally:
+        await nc.close()
+
+
+async def test_commands_round_robin_over_three_processes_succeed_in_order(
+    three: list[Node], prefix: str, stream: Stream
+) -> None:
     async with httpx.AsyncClient(timeout=5.0) as http:
         created = await create_room(http, three[0], "r1")
         versions = []
@@ -249,6 +296,11 @@ async def test_commands_round_robin_over_three_processes_succeed_in_order(three:
             assert resp.status_code == 200
             lists.append(sorted((r["room_id"], r["version"]) for r in resp.json()["rooms"]))
         assert lists[0] == lists[1] == lists[2] == [("r1", created + 12), ("r2", created)]
+    # the owners' outbox workers published the commits to the test's JetStream stream
+    deadline = time.monotonic() + 10
+    while await stream_messages(stream) < 14:  # two creates and twelve joins, one message each at least
+        assert time.monotonic() < deadline, "the outbox did not reach NATS"
+        await asyncio.sleep(0.1)
 
 
 # --------------------------------------------------------------------------- (e) gRPC
@@ -368,11 +420,13 @@ async def test_a_paused_owner_is_fenced_off_and_drops_its_cell(three: list[Node]
 
 
 async def test_redis_restarted_under_load_503s_then_full_service(
-    tmp_path: Path, fresh_mariadb_url: str, prefix: str
+    tmp_path: Path, fresh_mariadb_url: str, prefix: str, stream: Stream
 ) -> None:
     own = OwnRedisServer()
     own.start()
-    config = cluster_config(tmp_path / "c.yaml", database_url=fresh_mariadb_url, redis_url=own.url, prefix=prefix)
+    config = cluster_config(
+        tmp_path / "c.yaml", database_url=fresh_mariadb_url, redis_url=own.url, prefix=prefix, stream=stream
+    )
     nodes = start_nodes(tmp_path, config, 2)
     try:
         async with httpx.AsyncClient(timeout=5.0) as http:
