@@ -489,6 +489,42 @@ class MetricsConfig(_Block):
     enabled: bool = True
 
 
+class OtlpExporterConfig(_Block):
+    """Where ``tracing.exporter: otlp`` sends spans (OTLP over HTTP with protobuf bodies, or gRPC)."""
+
+    # http/protobuf: the traces URL, e.g. http://collector:4318/v1/traces; grpc: host:port or http(s)://host:port
+    endpoint: str = ""
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    timeout: PositiveDuration = _d("10s")  # one export call
+
+
+class TracingFileConfig(_Block):
+    """``tracing.exporter: file``: one JSON object per span, appended (several processes may share the file)."""
+
+    path: str = Field(default=DATA_DIR_PLACEHOLDER + "/traces.jsonl", min_length=1)
+
+
+class TracingConfig(_Block):
+    """OpenTelemetry tracing (docs/tracing.md). ``none``: no tracer at all, nothing recorded or stored."""
+
+    exporter: Literal["none", "otlp", "file"] = "none"
+    service_name: str = Field(default="room-service", min_length=1, max_length=128)
+    # the share of new traces recorded; a request that arrives with a traceparent follows its sampled flag
+    sample_ratio: Float = Field(default=1.0, ge=0.0, le=1.0)
+    otlp: OtlpExporterConfig = OtlpExporterConfig()
+    file: TracingFileConfig = TracingFileConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> TracingConfig:
+        if self.exporter == "otlp":
+            endpoint = self.otlp.endpoint
+            if not endpoint:
+                _fail("must be set when tracing.exporter is otlp", "otlp.endpoint")
+            if self.otlp.protocol == "http/protobuf" and not endpoint.startswith(("http://", "https://")):
+                _fail("must be an http(s) URL with tracing.otlp.protocol http/protobuf", "otlp.endpoint")
+        return self
+
+
 class ActivityConsumerConfig(_Block):
     enabled: bool = False  # in production the activity service owns this group
     group: MQName = "hyapp-activity-room-outbox"
@@ -530,6 +566,7 @@ class Settings(_Block):
     activity: ActivityConfig = ActivityConfig()
     logging: LoggingConfig = LoggingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    tracing: TracingConfig = TracingConfig()
     consumers: ConsumersConfig = ConsumersConfig()
     _data_dir: Path | None = PrivateAttr(default=None)  # set by with_data_dir, never read from a file
 
@@ -826,6 +863,14 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         "tencent_im.enabled is false",
         exclude=("tencent_im.enabled",),
     ),
+    InactiveRule(
+        ("tracing.*",),
+        lambda s: s.tracing.exporter == "none",
+        "tracing.exporter is none: no tracer runs",
+        exclude=("tracing.exporter",),
+    ),
+    InactiveRule(("tracing.otlp.*",), lambda s: s.tracing.exporter != "otlp", "tracing.exporter is not otlp"),
+    InactiveRule(("tracing.file.*",), lambda s: s.tracing.exporter != "file", "tracing.exporter is not file"),
     InactiveRule(("wallet.url", "wallet.api_key"), lambda s: s.wallet.driver != "http", "wallet.driver is not http"),
     InactiveRule(
         ("wallet.starting_balance",), lambda s: s.wallet.driver != "embedded", "wallet.driver is not embedded"

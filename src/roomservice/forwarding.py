@@ -44,6 +44,7 @@ from roomservice import errors
 from roomservice.api import grpc as api
 from roomservice.domain import commands as c
 from roomservice.leases.port import LeaseBackendUnavailable, LeaseOwner
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.proto import room_api_pb2 as pb
 from roomservice.service import RoomService
@@ -172,7 +173,8 @@ class Forwarder:
         )
         self.forwarded += 1
         try:
-            return await method(request, timeout=self.timeout_s, metadata=((SECRET_KEY, self._secret), (HOP_KEY, "1")))
+            metadata = ((SECRET_KEY, self._secret), (HOP_KEY, "1"), *tracing.grpc_metadata())
+            return await method(request, timeout=self.timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             error = api.error_of(exc)
             if api.ERROR_CODE_KEY not in dict(exc.trailing_metadata() or ()):  # never reached the owner's pipeline

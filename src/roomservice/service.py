@@ -32,6 +32,7 @@ from roomservice.domain.rules import RoomRules
 from roomservice.domain.state import RoomState
 from roomservice.domain.view import room_view
 from roomservice.leases.port import LeaseUnavailable
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.projections.port import Projections
@@ -101,6 +102,10 @@ class RoomService:
         total = Stopwatch()
         # every line logged while this command runs names it (structlog merges contextvars)
         with bound_contextvars(app_code=app_code, room_id=room_id, command_id=command_id):
+            if tracing.ENABLED:  # the command's span, its stages drawn from `timing` afterwards
+                return await tracing.traced_command(
+                    timing, lambda: self._timed(app_code, room_id, command_id, command, timing, total)
+                )
             return await self._timed(app_code, room_id, command_id, command, timing, total)
 
     async def _timed(
@@ -213,6 +218,7 @@ class RoomService:
             expected_version=0 if before is None else before.version,
             epoch=cell.epoch,
             state_after=after,
+            trace_context=tracing.current_traceparent(),  # stored with the outbox rows
         )
         watch.lap()
         try:

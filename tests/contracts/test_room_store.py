@@ -141,7 +141,7 @@ async def test_upgrade_creates_schema_and_is_a_noop_the_second_time(empty_backen
     try:
         assert await current_revision(db) is None
         await upgrade(db)
-        assert await current_revision(db) == head_revision() == "0004"
+        assert await current_revision(db) == head_revision() == "0006"
         async with db.write() as conn:
             await conn.execute(
                 sa.insert(t.wallet_account).values(app_code=APP, user_id="u", balance=5, updated_at_ms=1)

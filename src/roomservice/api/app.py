@@ -21,6 +21,7 @@ from roomservice.api.routing import BodyPolicy, JsonRoute, command_endpoint, ent
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
 from roomservice.health import HealthChecks
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import REGISTRY
 from roomservice.service import RoomService
@@ -242,4 +243,6 @@ def create_app(ctx: ApiContext) -> FastAPI:
         app.include_router(router)
 
     app.add_middleware(Edge, admin_token=ctx.admin_token)
+    if tracing.ENABLED:  # outermost: the request's span covers everything the app does
+        app.add_middleware(tracing.HttpServerSpans)
     return app

@@ -76,6 +76,7 @@ from roomservice.api.app import _describe_validation as describe_request_validat
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
 from roomservice.grpc_server import RunningGrpcServer, format_target
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.proto import room_api_pb2 as pb
@@ -428,6 +429,9 @@ def _guarded(
             if rpc in _COMMANDS:  # its one timing line, as for any refused command (no id is readable)
                 CommandTiming(command=rpc, app_code="", room_id="", command_id="", result=exc.code).emit()
             await _abort(context, exc)
+        if tracing.ENABLED:  # a server span continuing the caller's traceparent
+            with tracing.grpc_server_span(SERVICE_NAME, rpc, context.invocation_metadata()):
+                return await behaviour(request, context)
         return await behaviour(request, context)
 
     return call

@@ -35,6 +35,7 @@ from roomservice.grpc_server import format_target
 from roomservice.health import HealthChecks
 from roomservice.integrations.im_sandbox.server import RunningSandbox
 from roomservice.leases.port import LeaseManager
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, new_owner
@@ -170,6 +171,13 @@ class Process:
             ) as db,
             AsyncExitStack() as stack,
         ):
+            stack.enter_context(
+                tracing.installed(
+                    settings.tracing,
+                    data_dir=settings.data_dir,
+                    resource_attributes={"roomservice.roles": ",".join(sorted(chosen))},
+                )
+            )
             core = Core(settings=settings, db=db, clock=clock, stack=stack)
             process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {}, groups=groups)
             _warn_single_owner(settings, chosen, db.dialect_name)

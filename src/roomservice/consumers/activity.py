@@ -27,6 +27,7 @@ from roomservice.activity.store import ActivityStore
 from roomservice.brokers.port import Delivery
 from roomservice.consumers.runtime import Outcome
 from roomservice.domain.routing import Target, targets_of
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 
 _log = get_logger("roomservice.consumers.activity")
@@ -42,7 +43,9 @@ class ActivityHandler:
         event = event_from_wire(delivery.body)  # InvalidEvent (a ValueError): poison
         if Target.ACTIVITY not in targets_of(event.type):
             return Outcome.DUPLICATE  # not the activity service's: nothing to apply, nothing recorded
-        if not await self.store.handle(event):
+        with tracing.effect_span("activity.apply", **{"activity.event_type": event.type}):
+            applied = await self.store.handle(event)  # the leaderboard / reward ledger, once per event
+        if not applied:
             return Outcome.DUPLICATE
         _log.debug("activity_event_applied", event_id=event.event_id, repair_of=event.repair_of, type=event.type)
         return Outcome.APPLIED

@@ -29,6 +29,7 @@ from structlog.contextvars import bound_contextvars
 from roomservice import errors
 from roomservice.brokers.port import Broker, Delivery
 from roomservice.observability import metrics as m
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.outbox.policy import RetryPolicy
 
@@ -178,7 +179,17 @@ class GroupRunner:
             m.CONSUMER_REDELIVERIES.labels(group).inc()
         try:
             try:
-                outcome = await self.handler.handle(delivery)
+                if tracing.ENABLED:  # continues the trace context of the message's headers
+                    outcome = await tracing.traced_consume(
+                        group,
+                        delivery.key,
+                        delivery.tag,
+                        delivery.delivery_count,
+                        delivery.headers,
+                        lambda: self.handler.handle(delivery),
+                    )
+                else:
+                    outcome = await self.handler.handle(delivery)
             except Redeliver as again:
                 m.CONSUMER_MESSAGES.labels(group, "redeliver").inc()
                 await self._settle(delivery, nack_delay_s=again.delay_s, reason=again.message)

@@ -66,6 +66,7 @@ class ClaimedRow:
     lock_owner: str
     lock_until_ms: int
     created_at_ms: int
+    trace_context: str | None = None  # the committing command's traceparent (tracing on)
 
 
 @dataclass(frozen=True, slots=True)

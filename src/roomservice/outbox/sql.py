@@ -83,6 +83,7 @@ _CLAIM_COLUMNS: Final = (
     _c.retry_count,
     _c.targets_done,
     _c.created_at_ms,
+    _c.trace_context,
 )
 
 _IS_OURS: Final = (_c.status == _DELIVERING) & (_c.lock_owner == bindparam("b_owner"))
@@ -284,6 +285,7 @@ class SqlOutboxRepository:
                 lock_owner=owner,
                 lock_until_ms=until,
                 created_at_ms=r.created_at_ms,
+                trace_context=r.trace_context,
             )
             for r in rows
         ]

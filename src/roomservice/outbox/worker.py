@@ -38,6 +38,7 @@ from structlog.contextvars import bound_contextvars
 
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.observability.metrics import (
     OUTBOX_CLAIM_BATCH,
@@ -362,6 +363,8 @@ class OutboxWorker:
     async def deliver(self, row: ClaimedRow) -> Outcome:
         """Publish ``row`` to every target it still needs; never raises. Lines logged meanwhile name the event."""
         with bound_contextvars(event_id=row.event_id):
+            if tracing.ENABLED:  # a span continuing the trace stored with the row
+                return await tracing.traced_delivery(row, self._deliver)
             return await self._deliver(row)
 
     async def _deliver(self, row: ClaimedRow) -> Outcome:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage
 from roomservice.domain.events import Event
 from roomservice.domain.routing import Target
+from roomservice.observability import tracing
 from roomservice.publishers.port import PermanentError, RetryableError
 
 
@@ -65,6 +66,23 @@ class BrokerPublisher:
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             raise RetryableError("publishing to the broker: the deadline passed before it started")
+        if tracing.ENABLED:  # the message's headers carry the publish span's context
+            with tracing.broker_publish_span(self.topic, key=event_id, tag=event_type, broker=self.broker.name) as tc:
+                headers = {**(headers or {}), **tc}
+                await self._send(event_id, event_type, app_code, room_id, payload, remaining, headers)
+        else:
+            await self._send(event_id, event_type, app_code, room_id, payload, remaining, headers)
+
+    async def _send(
+        self,
+        event_id: str,
+        event_type: str,
+        app_code: str,
+        room_id: str,
+        payload: bytes,
+        remaining: float,
+        headers: Mapping[str, str] | None,
+    ) -> None:
         message = OutgoingMessage(
             topic=self.topic,
             body=payload,

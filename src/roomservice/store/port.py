@@ -88,6 +88,7 @@ class Mutation:
     expected_version: int
     epoch: int
     state_after: RoomState | None
+    trace_context: str | None = None  # W3C traceparent of the command, stored with its outbox rows
 
 
 @dataclass(frozen=True, slots=True)

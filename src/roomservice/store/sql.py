@@ -260,7 +260,7 @@ class SqlRoomStore:
         # Rows are built before the write lock is taken: the transaction only executes.
         meta_guard, meta_values = _meta_write(mutation, mutation.state_after)
         command = _command_row(mutation, mutation.state_after)
-        outbox = [_outbox_row(event, mutation.now_ms) for event in mutation.events]
+        outbox = [_outbox_row(event, mutation.now_ms, mutation.trace_context) for event in mutation.events]
         unit = (mutation, meta_guard, meta_values, command, outbox)
         if self._group_commit is not None:
             await self._group_commit.save(unit)
@@ -509,7 +509,7 @@ def _command_row(m: Mutation, state: RoomState) -> dict[str, Any]:
     }
 
 
-def _outbox_row(event: Event, now_ms: int) -> dict[str, Any]:
+def _outbox_row(event: Event, now_ms: int, trace_context: str | None = None) -> dict[str, Any]:
     return {
         "event_id": event.event_id,
         "app_code": event.app_code,
@@ -522,4 +522,5 @@ def _outbox_row(event: Event, now_ms: int) -> dict[str, Any]:
         "due_at_ms": now_ms,
         "created_at_ms": now_ms,
         "updated_at_ms": now_ms,
+        "trace_context": trace_context,
     }

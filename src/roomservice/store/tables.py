@@ -128,6 +128,8 @@ room_outbox = Table(
     _ms("created_at_ms"),
     _ms("updated_at_ms"),
     _ms("delivered_at_ms", nullable=True),
+    # The W3C traceparent of the command that wrote the row (tracing on; migration 0006).
+    Column("trace_context", ascii_id(64), nullable=True),
     UniqueConstraint("event_id"),
     Index(None, "status", "due_at_ms"),
     Index(None, "app_code", "room_id", "room_version"),
