@@ -431,9 +431,8 @@ def session_limits_sql(server: str, timeout_s: float) -> str:
             f"SET SESSION max_statement_time = {statement_s:.3f}, innodb_lock_wait_timeout = {lock_wait_s}, "
             f"idle_transaction_timeout = {idle_s}"
         )
-    return (
-        f"SET SESSION max_execution_time = {max(1, round(statement_s * 1000))}, innodb_lock_wait_timeout = {lock_wait_s}"
-    )
+    statement_ms = max(1, round(statement_s * 1000))
+    return f"SET SESSION max_execution_time = {statement_ms}, innodb_lock_wait_timeout = {lock_wait_s}"
 
 
 def _server_kind_of(server_version: str) -> str:
