@@ -192,6 +192,41 @@ async def test_a_direct_mode_rows_delivery_continues_the_commands_trace(
     assert hex_trace(deliver) == hex_trace(command) and parent_id(deliver) == hex_id(command)
     assert (deliver.attributes or {})["outbox.event_id"] == event_id
     assert set((deliver.attributes or {})["outbox.targets_done"]) == {"activity", "im"}
+    # the activity service's side of the gRPC call continues the delivery's trace
+    handled = [
+        s for s in spans.get_finished_spans() if s.name == "roomservice.activity.v1.ActivityService/HandleRoomEvent"
+    ]
+    server = next(s for s in handled if parent_id(s) == hex_id(deliver))
+    assert server.kind is SpanKind.SERVER and hex_trace(server) == hex_trace(command)
+    effects = [s for s in spans.get_finished_spans() if s.name == "activity.apply" and parent_id(s) == hex_id(server)]
+    assert [(e.attributes or {})["activity.event_type"] for e in effects] == ["RoomGiftSent"]
+
+
+async def test_a_treasure_wake_up_continues_the_countdowns_trace_to_the_open_command(
+    spans: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    overrides = {**MQ_ACTIVITY, "rocketmq.treasure_open.enabled": True, "treasure.countdown_seconds": 1}
+    settings = make_settings(f"sqlite+aiosqlite:///{tmp_path}/room.db", tmp_path, **overrides)
+    async with Process.running(settings) as rt:
+        await rt.service.execute(APP, "b1", "c1", c.CreateRoom(owner_id="alice", title="box"))
+        await rt.service.execute(APP, "b1", "c2", c.JoinRoom(user_id="bob"))
+        await rt.service.execute(
+            APP, "b1", "c3", c.SendGift(sender_id="bob", receiver_id="alice", gift_id="rocket", count=1)
+        )
+
+        async def opened() -> bool:
+            return any(s.name == "room.command OpenTreasure" for s in spans.get_finished_spans())
+
+        await eventually(opened, what="the box opened by its wake-up")
+    finished = spans.get_finished_spans()
+    gift = one(finished, "room.command SendGift")
+    trace = of_trace(spans, hex_trace(gift))
+    countdown = one(trace, "outbox.deliver RoomTreasureCountdownStarted")
+    assert parent_id(countdown) == hex_id(gift)
+    wakeup = one(trace, "consume hyapp-room-treasure-open")
+    assert parent_id(wakeup) == hex_id(countdown)
+    open_command = one(trace, "room.command OpenTreasure")
+    assert parent_id(open_command) == hex_id(wakeup)
 
 
 async def test_the_trace_context_survives_a_worker_restart_in_the_row(

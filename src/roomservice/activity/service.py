@@ -30,6 +30,7 @@ from roomservice.clock import wall_clock_ms
 from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened
 from roomservice.domain.limits import MAX_TREASURE_RECIPIENTS, valid_app_code, valid_id, valid_room_id
 from roomservice.grpc_server import RunningGrpcServer, format_target
+from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 from roomservice.proto import activity_pb2 as apb
 from roomservice.store.database import Database
@@ -101,9 +102,16 @@ class ActivityServicer:
         self.store = store
 
     async def HandleRoomEvent(self, request: bytes, context: grpc.aio.ServicerContext) -> apb.HandleRoomEventReply:
+        if tracing.ENABLED:  # continues the outbox delivery's trace (direct mode)
+            with tracing.grpc_server_span(SERVICE_NAME, "HandleRoomEvent", context.invocation_metadata()):
+                return await self._handle_room_event(request, context)
+        return await self._handle_room_event(request, context)
+
+    async def _handle_room_event(self, request: bytes, context: grpc.aio.ServicerContext) -> apb.HandleRoomEventReply:
         try:
             event = event_from_wire(request)
-            applied = await self.store.handle(event)
+            with tracing.effect_span("activity.apply", **{"activity.event_type": event.type}):
+                applied = await self.store.handle(event)  # the same effect as the activity consumer group's
         except Exception as exc:
             await _abort(context, exc, "HandleRoomEvent")
         if applied:

@@ -30,6 +30,7 @@ import grpc.aio
 
 from roomservice.domain.events import Event
 from roomservice.domain.routing import Target
+from roomservice.observability import tracing
 from roomservice.proto import activity_pb2 as apb
 from roomservice.publishers.port import PermanentError, RetryableError
 
@@ -93,7 +94,7 @@ class ActivityPublisher:
         call = self._handle_room_event(loop)
         timeout = max(0.0, deadline - loop.time())
         try:
-            await call(payload, timeout=timeout)
+            await call(payload, timeout=timeout, metadata=tracing.grpc_metadata() or None)
         except grpc.aio.AioRpcError as exc:
             raise classify(exc, event) from exc
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from roomservice.brokers.port import Broker, OutgoingMessage
 from roomservice.domain.events import Event, RoomTreasureCountdownStarted
+from roomservice.observability import tracing
 
 WAKEUP_TAG = "TreasureOpen"
 
@@ -81,6 +82,7 @@ class DelayMessageScheduler:
                 tag=WAKEUP_TAG,
                 sharding_key=f"{event.app_code}:{event.room_id}",
                 deliver_at_ms=payload.open_at_ms,
+                headers=tracing.inject(None) or {},  # the treasure-open consumer continues the countdown's trace
             ),
             timeout_s=self.publish_timeout_s,
         )

@@ -8,6 +8,9 @@ Create Date: 2026-12-01
 tracing is on (NULL otherwise, and for every row written before). The outbox
 worker's delivery span continues it, so one trace runs from the request to the
 broker and its consumers however long the row waited, across worker restarts.
+
+0005 is reserved for the console's room_command_log migration, still on its branch when this one
+landed: whichever of the two lands second makes 0006 revise 0005 (one head).
 """
 
 from __future__ import annotations
