@@ -65,6 +65,19 @@ def fingerprint(command: c.Command) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def stored_timing(timing: CommandTiming) -> dict[str, float | bool]:
+    """The ``room_command_timing`` figures known when the command log row is written, stored with it
+    (the console's room inspector); the stages after the commit are in the log line only."""
+    return {
+        "idempotency_ms": round(timing.idempotency_ms, 3),
+        "lease_ms": round(timing.lease_ms, 3),
+        "wallet_debit_ms": round(timing.wallet_debit_ms, 3),
+        "activity_ms": round(timing.activity_ms, 3),
+        "activity_async_outbox": timing.activity_async_outbox,
+        "tencent_im_async_outbox": timing.tencent_im_async_outbox,
+    }
+
+
 class GroupProvisioner(Protocol):
     """Creates a room's IM group synchronously on CreateRoom (best effort, timed)."""
 
@@ -219,6 +232,7 @@ class RoomService:
             epoch=cell.epoch,
             state_after=after,
             trace_context=tracing.current_traceparent(),  # stored with the outbox rows
+            timing=stored_timing(timing),
         )
         watch.lap()
         try:

@@ -7,6 +7,7 @@ separate fake because an on-disk SQLite store is fast enough.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +90,7 @@ class Mutation:
     epoch: int
     state_after: RoomState | None
     trace_context: str | None = None  # W3C traceparent of the command, stored with its outbox rows
+    timing: Mapping[str, float | bool] | None = None  # stored with the command log row (room inspector)
 
 
 @dataclass(frozen=True, slots=True)

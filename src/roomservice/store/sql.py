@@ -506,6 +506,7 @@ def _command_row(m: Mutation, state: RoomState) -> dict[str, Any]:
         "version": state.version,
         "now_ms": m.now_ms,
         "created_at_ms": m.now_ms,
+        "timing": None if m.timing is None else dump_json(m.timing),
     }
 
 

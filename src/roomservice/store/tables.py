@@ -86,6 +86,8 @@ room_command_log = Table(
     Column("version", BigInteger(), nullable=False),
     _ms("now_ms"),
     _ms("created_at_ms"),
+    # the room_command_timing stages measured before the row was written (0005; None before it)
+    Column("timing", json_text(), nullable=True),
     UniqueConstraint("app_code", "room_id", "command_id"),
     Index(None, "app_code", "room_id", "version"),
     Index(None, "created_at_ms"),

@@ -1,7 +1,7 @@
 """Outbox trace context: the W3C traceparent of the command that wrote each row.
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-01
 
 ``room_outbox.trace_context`` is written in the same insert as the row when
@@ -9,8 +9,7 @@ tracing is on (NULL otherwise, and for every row written before). The outbox
 worker's delivery span continues it, so one trace runs from the request to the
 broker and its consumers however long the row waited, across worker restarts.
 
-0005 is reserved for the console's room_command_log migration, still on its branch when this one
-landed: whichever of the two lands second makes 0006 revise 0005 (one head).
+It revises 0005 (the console's room_command_log timing column), which landed after it was written.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from alembic import op
 from roomservice.store.migrations.ddl import ascii_id as _id
 
 revision: str = "0006"
-down_revision: str | Sequence[str] | None = "0004"
+down_revision: str | Sequence[str] | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
