@@ -387,6 +387,13 @@ class AdminConfig(_Block):
     token: SecretStr = SecretStr("")  # empty: the embedded default generates one
 
 
+class ConsoleConfig(_Block):
+    """The operators' web console under ``/console/`` (docs/console.md), behind ``admin.token``."""
+
+    enabled: bool = True
+    session_ttl: PositiveDuration = _d("8h")  # a login lasts this long; then the operator logs in again
+
+
 class LeaseConfig(_Block):
     driver: Literal["inprocess", "redis"] = "inprocess"
     ttl: PositiveDuration = _d("10s")
@@ -560,6 +567,7 @@ class Settings(_Block):
     treasure: TreasureConfig = TreasureConfig()
     wallet: WalletConfig = WalletConfig()
     admin: AdminConfig = AdminConfig()
+    console: ConsoleConfig = ConsoleConfig()
     lease: LeaseConfig = LeaseConfig()
     broker: BrokerConfig = BrokerConfig()
     tencent_im: TencentIMConfig = TencentIMConfig()
@@ -871,6 +879,7 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
     ),
     InactiveRule(("tracing.otlp.*",), lambda s: s.tracing.exporter != "otlp", "tracing.exporter is not otlp"),
     InactiveRule(("tracing.file.*",), lambda s: s.tracing.exporter != "file", "tracing.exporter is not file"),
+    InactiveRule(("console.session_ttl",), lambda s: not s.console.enabled, "console.enabled is false"),
     InactiveRule(("wallet.url", "wallet.api_key"), lambda s: s.wallet.driver != "http", "wallet.driver is not http"),
     InactiveRule(
         ("wallet.starting_balance",), lambda s: s.wallet.driver != "embedded", "wallet.driver is not embedded"

@@ -486,7 +486,9 @@ def _conditions(shape: _Shape) -> tuple[ColumnElement[bool], ...]:
 
 
 @functools.cache
-def _list_statement(shape: _Shape) -> _AnySelect:
+def _list_statement(shape: _Shape, newest_first: bool = False) -> _AnySelect:
+    if newest_first:
+        return select(*_VIEW_COLUMNS).where(*_conditions(shape)).order_by(_o.c.id.desc()).limit(bindparam("limit"))
     return (
         select(*_VIEW_COLUMNS)
         .where(*_conditions(shape), _o.c.id > bindparam("after_id"))
@@ -553,17 +555,27 @@ class OutboxAdmin:
         )
 
     async def list(
-        self, filter: OutboxFilter | None = None, *, limit: int = 50, after_id: int | None = None
+        self,
+        filter: OutboxFilter | None = None,
+        *,
+        limit: int = 50,
+        after_id: int | None = None,
+        newest_first: bool = False,
     ) -> list[OutboxRowView]:
-        """Matching rows ordered by id; the next page starts after the last id returned."""
+        """Matching rows ordered by id; the next page starts after the last id returned.
+
+        ``newest_first``: the newest ``limit`` matching rows, newest first (no paging: ``after_id`` must be None).
+        """
         flt = (filter or OutboxFilter()).validated()
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise errors.InvalidArgument(f"limit must be 1..{MAX_LIST_LIMIT}")
         if after_id is not None and not 0 <= after_id <= MAX_ID_VALUE:
             raise errors.InvalidArgument(f"after_id must be 0..{MAX_ID_VALUE}")  # SQLite: OverflowError beyond
+        if newest_first and after_id is not None:
+            raise errors.InvalidArgument("after_id pages oldest first; newest_first takes none")
         now_ms = self.clock()
         params = {**flt._params(now_ms), "after_id": after_id or 0, "limit": limit}
-        rows = await self.db.run_read(_all, _list_statement(flt._shape()), params)
+        rows = await self.db.run_read(_all, _list_statement(flt._shape(), newest_first), params)
         return [_view(r, now_ms) for r in rows]
 
     async def count(self, filter: OutboxFilter | None = None) -> int:
@@ -601,23 +613,39 @@ class OutboxAdmin:
         as_repair: bool = False,
         targets: Iterable[str] | None = None,
         batch_size: int = 100,
+        progress: Callable[[int, int], None] | None = None,
     ) -> ReplayReport:
         """Replay the ``failed`` rows among ``event_ids``; every id gets an outcome, in input order.
 
         ``targets`` (repair only; names of :data:`REPAIR_TARGETS`, comma lists allowed):
         what the repair is sent to; ``None`` sends it where the original had not succeeded.
+        ``progress(done, total)``: as for :meth:`replay_matching`.
         """
         _check_batch_size(batch_size)
         ids = list(dict.fromkeys(event_ids))
         actor = _actor(actor)
         chosen = repair_targets(targets, as_repair=as_repair)
         report = ReplayReport(as_repair=as_repair, targets=chosen)
+        if progress is not None:
+            progress(0, len(ids))
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
             outcomes = await self.db.run_write(_replay_ids, chunk, self.clock(), actor, _Mode(as_repair, chosen))
             report.outcomes.extend(outcomes)
             self._notify(outcomes)
+            if progress is not None:
+                progress(len(report.outcomes), len(ids))
         return report
+
+    async def record_audit(self, entries: Sequence[tuple[str, dict[str, Any]]], *, action: str, actor: str) -> None:
+        """Audit an action taken elsewhere (a consumer group's dead-letter replay): one row per
+        ``(event_id, detail)``, in one transaction."""
+        if not entries:
+            return
+        actor = _actor(actor)
+        now_ms = self.clock()
+        rows = [_audit_row(event_id[:64], action, actor, now_ms, **detail) for event_id, detail in entries]
+        await self.db.run_write(_insert_audit, rows)
 
     async def replay_matching(
         self,
@@ -682,6 +710,10 @@ def _all(conn: Connection, statement: _AnySelect, params: dict[str, Any]) -> lis
 
 def _one(conn: Connection, statement: _AnySelect, params: dict[str, Any]) -> _AnyRow:
     return conn.execute(statement, params).one()
+
+
+def _insert_audit(conn: Connection, rows: list[dict[str, Any]]) -> None:
+    conn.execute(_INSERT_AUDIT, rows)
 
 
 def _read_stats(conn: Connection) -> tuple[dict[str, int], int | None, int | None]:

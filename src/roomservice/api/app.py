@@ -28,6 +28,7 @@ from roomservice.service import RoomService
 
 if TYPE_CHECKING:
     from roomservice.admin.operations import OutboxAdmin
+    from roomservice.console import Console
     from roomservice.forwarding import Forwarder
 
 _log = get_logger("roomservice.api")
@@ -83,6 +84,7 @@ class ApiContext:
     metrics: bool = True  # serves GET /metrics (metrics.enabled); without it /metrics is 404 not_found
     body_read_timeout_s: float = 10.0  # http.body_read_timeout: the whole body must arrive within it
     forwarder: Forwarder | None = None  # commands and the room view go through it (to the room's owner)
+    console: Console | None = None  # serves the operators' web console under /console/ when set
 
 
 def _error(exc: errors.RoomServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -241,6 +243,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
             ctx.outbox_admin, require_admin, route_class=app.router.route_class, responses=ADMIN_RESPONSES
         )
         app.include_router(router)
+
+    if ctx.console is not None:
+        from roomservice.console import mount
+
+        mount(app, ctx.console)
 
     app.add_middleware(Edge, admin_token=ctx.admin_token)
     if tracing.ENABLED:  # outermost: the request's span covers everything the app does

@@ -27,7 +27,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Final
+from typing import TYPE_CHECKING, Annotated, Final
 
 import typer
 import uvicorn
@@ -47,6 +47,10 @@ from roomservice.cli.options import (
 )
 from roomservice.cli.shutdown import GracefulStop
 from roomservice.config import Settings
+
+if TYPE_CHECKING:
+    from roomservice.bootstrap import Process
+    from roomservice.console import Console
 
 HTTP_DRAIN_S: Final = 10  # a stopping server lets requests in flight answer this long, then cancels them
 STOP_MARGIN_S: Final = 10.0  # for the rest of a stop (loops, cells, database) beyond the drain and worker grace
@@ -75,6 +79,7 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (overrides http.port; 0 = any free port).")] = None,
     data_dir: DataDirOpt = Path("var"),
 ) -> None:
+
     """Run the HTTP API with Room Cells and every in-process part the config enables.
 
     The gRPC room API runs beside it on grpc.host and grpc.port (0 = any free
@@ -118,6 +123,18 @@ def _stop_deadline_s(settings: Settings, *, http: bool) -> float:
     return (HTTP_DRAIN_S if http else 0.0) + worker_grace + STOP_MARGIN_S
 
 
+def _console(runtime: Process, token: str) -> Console | None:
+    """The operators' console of this process (console.enabled), its chart sampled in the background."""
+    if not runtime.settings.console.enabled:
+        return None
+    from roomservice.console import Console
+
+    console = Console.from_process(runtime, admin_token=token)
+    runtime.core.spawn("console-sampler", console.sample())
+    runtime.core.stack.push_async_callback(console.jobs.aclose)
+    return console
+
+
 async def _serve(settings: Settings, *, host: str, port: int, token: str, data_dir: Path) -> None:
     from roomservice.api.app import ApiContext, create_app
     from roomservice.api.server import HTTP_PROTOCOL
@@ -139,6 +156,7 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 metrics=settings.metrics.enabled,
                 body_read_timeout_s=settings.http.body_read_timeout.total_seconds(),
                 forwarder=runtime.commands.forwarder,
+                console=_console(runtime, token),
             )
         )
         server = _Server(

@@ -1,0 +1,85 @@
+"""A consumer group's dead letters (SPEC §5): lag and dead letters per group, and their audited replay.
+
+The broker port keeps the dead letters per group (:meth:`Broker.dead_letters`,
+:meth:`Broker.replay_dead_letter`); this adds what an operator's replay needs
+around it: only the groups this configuration runs, and an audit row per
+replayed message (action ``consumer_replay``, keyed by the message's key, which
+is the event id), in ``room_outbox_audit`` beside the outbox replays of the
+same event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from roomservice import errors
+from roomservice.admin.operations import OutboxAdmin
+from roomservice.bootstrap.broker import GroupSpec
+from roomservice.brokers.port import Broker, DeadLetter, GroupStats
+
+MAX_DEAD_LETTERS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReport:
+    spec: GroupSpec
+    stats: GroupStats | None
+    error: str | None  # the broker did not answer: why
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterReplay:
+    group: str
+    replayed: tuple[str, ...]
+    not_dead_letters: tuple[str, ...]
+
+
+class DeadLetterAdmin:
+    def __init__(self, broker: Broker, groups: Sequence[GroupSpec], *, audit: OutboxAdmin) -> None:
+        self.broker = broker
+        self.groups = list(groups)
+        self.audit = audit
+
+    def group(self, name: str) -> GroupSpec:
+        """The group of this configuration named ``name``; :class:`errors.NotFound` naming the known ones."""
+        for spec in self.groups:
+            if spec.group == name:
+                return spec
+        known = ", ".join(g.group for g in self.groups) or "none (no consumer group is enabled)"
+        raise errors.NotFound(f"unknown consumer group {name[:80]!r}; this configuration runs: {known}")
+
+    async def reports(self) -> list[GroupReport]:
+        """Every group's stats; a broker that does not answer gives the error instead of failing the rest."""
+        out = []
+        for spec in self.groups:
+            try:
+                out.append(GroupReport(spec, await self.broker.group_stats(spec.topic, spec.group), None))
+            except errors.RoomServiceError as exc:
+                out.append(GroupReport(spec, None, str(exc)[:300]))
+        return out
+
+    async def dead_letters(self, group: str, *, limit: int = 100) -> Sequence[DeadLetter]:
+        if not 1 <= limit <= MAX_DEAD_LETTERS:
+            raise errors.InvalidArgument(f"limit must be 1..{MAX_DEAD_LETTERS}")
+        return await self.broker.dead_letters(self.group(group).group, limit=limit)
+
+    async def replay(self, group: str, message_ids: Sequence[str] | None, *, actor: str) -> DeadLetterReplay:
+        """Replay ``message_ids`` (``None``: every dead letter) to ``group`` only; audit each replayed one."""
+        spec = self.group(group)
+        letters = {d.message_id: d for d in await self.broker.dead_letters(spec.group, limit=MAX_DEAD_LETTERS)}
+        ids = list(letters) if message_ids is None else list(dict.fromkeys(message_ids))
+        done: list[str] = []
+        missing: list[str] = []
+        for message_id in ids:
+            (done if await self.broker.replay_dead_letter(spec.group, message_id) else missing).append(message_id)
+        await self.audit.record_audit(
+            [
+                (letters[m].key, {"group": spec.group, "message_id": m, "delivery_count": letters[m].delivery_count})
+                for m in done
+                if m in letters and letters[m].key
+            ],
+            action="consumer_replay",
+            actor=actor,
+        )
+        return DeadLetterReplay(spec.group, tuple(done), tuple(missing))
