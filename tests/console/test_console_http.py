@@ -276,8 +276,11 @@ async def test_bulk_replay_confirms_then_replays_the_filtered_set_audited(
         "/console/outbox/replay", data={"csrf_token": csrf, "selection": "matching", "room": "r2", "mode": "replay"}
     )
     assert started.status_code == 303
+    page = await http.get(started.headers["location"])
+    assert page.status_code == 200 and 'id="job-progress"' in page.text
     job = await job_finished(http, started.headers["location"])
     assert job["state"] == "done" and job["done"] == job["total"] == 1
+    assert "replayed 1" in (await http.get(started.headers["location"])).text
     assert await status_of(console_runtime, "f-2") == "pending"
     assert await status_of(console_runtime, "f-1") == "failed"
     assert await audit_of(console_runtime, "f-2") == [("replay", "console:Zoë Operator")]
