@@ -19,7 +19,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import NoOpTracer, SpanKind
+from opentelemetry.trace import NoOpTracer, SpanKind, StatusCode
 from structlog.testing import capture_logs
 from tests.service.conftest import DIRECT, make_settings
 from tests.tracing.conftest import hex_id, hex_trace, new_traceparent, of_trace, one, parent_id, traceparent_of
@@ -168,6 +168,20 @@ async def test_a_command_without_an_incoming_traceparent_starts_its_own_trace(
     assert request.parent is None
     command = one(spans.get_finished_spans(), "room.command SendGift")
     assert hex_trace(command) == hex_trace(request) and parent_id(command) == hex_id(request)
+
+
+async def test_a_refused_command_is_a_failed_span_with_its_error_code(
+    spans: InMemorySpanExporter, mq_process: Process, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with client(mq_process) as http:
+        answer = await http.post(f"/v1/apps/{APP}/rooms/nowhere/join", json={"command_id": "j1", "user_id": "bob"})
+    assert answer.status_code == 404
+    command = one(spans.get_finished_spans(), "room.command JoinRoom")
+    assert command.status.status_code is StatusCode.ERROR and command.status.description == "room_not_found"
+    assert (command.attributes or {})["room.result"] == "room_not_found"
+    request = one(spans.get_finished_spans(), "POST /v1/apps/{app_code}/rooms/{room_id}/join")
+    assert (request.attributes or {})["http.response.status_code"] == 404
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]  # the SDK had nothing to complain of
 
 
 async def test_a_direct_mode_rows_delivery_continues_the_commands_trace(

@@ -56,6 +56,9 @@ TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"
 INSTRUMENTATION: Final = "roomservice"
 FILE_EXPORT_DELAY_MS: Final = 500  # the file exporter's batch delay: spans reach the file within about this
+# Spans waiting for export (the SDK's default is 2,048: a command makes about six, so a burst of a few
+# hundred commands between two exports would already drop some); beyond it new spans are dropped.
+EXPORT_QUEUE_SPANS: Final = 16_384
 
 # Read by every hook before it does anything: False means no tracer, no span, no attribute.
 ENABLED: bool = False
@@ -195,7 +198,10 @@ def build_provider(
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
         delay = FILE_EXPORT_DELAY_MS if config.exporter == "file" else None
-        provider.add_span_processor(BatchSpanProcessor(_exporter(config, data_dir), schedule_delay_millis=delay))
+        processor = BatchSpanProcessor(
+            _exporter(config, data_dir), max_queue_size=EXPORT_QUEUE_SPANS, schedule_delay_millis=delay
+        )
+        provider.add_span_processor(processor)
     return provider
 
 
@@ -340,7 +346,11 @@ async def traced_command(timing: CommandTiming, run: Callable[[], Awaitable[T]])
     outbox rows of the command store this span's context (:func:`current_traceparent`)."""
     start_ns = time.time_ns()
     with _tracer.start_as_current_span(
-        f"room.command {timing.command}", start_time=start_ns, record_exception=False, end_on_exit=False
+        f"room.command {timing.command}",
+        start_time=start_ns,
+        record_exception=False,
+        set_status_on_exception=False,  # the span has ended by then; its status is the timing's result
+        end_on_exit=False,
     ) as span:
         try:
             return await run()
