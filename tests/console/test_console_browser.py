@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import sqlalchemy as sa
 import uvicorn
 from tests.acceptance.conftest import FAST_RETRIES, statuses
 from tests.conftest import in_ci
@@ -33,6 +34,7 @@ from roomservice.bootstrap import Process
 from roomservice.config import Settings
 from roomservice.console import Console
 from roomservice.domain import commands as c
+from roomservice.store import tables as t
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -269,6 +271,15 @@ async def test_mq_mode_find_a_consumer_groups_dead_letters_after_an_outage_and_r
         await until(no_dead_letters_left, what="the replayed dead letters to be consumed")
         joined = await until(lambda: _im_types(rt, room), what="the IM bridge to deliver the replayed messages")
         assert joined == ["RoomUserJoined"]
+        async with rt.db.read() as conn:
+            audit = (
+                await conn.execute(
+                    sa.select(t.room_outbox_audit.c.action, t.room_outbox_audit.c.actor).where(
+                        t.room_outbox_audit.c.action == "consumer_replay"
+                    )
+                )
+            ).all()
+        assert [tuple(a) for a in audit] == [("consumer_replay", "console:Mia")] * 2
         await context.close()
 
 

@@ -5,7 +5,8 @@
     room-service broker replay GROUP MESSAGE_ID... | --all [--json]
 
 A replay sends a dead letter to its group only, with its key (the event id)
-unchanged, so the group's deduplication still applies. Exit codes: 0 done;
+unchanged, so the group's deduplication still applies; it is audited
+(``consumer_replay``, actor ``$USER``) as the console's are. Exit codes: 0 done;
 1 the broker or database did not answer, or some ids were not dead letters
 of the group; 2 bad arguments (unknown group, no ids and no --all).
 """
@@ -13,20 +14,25 @@ of the group; 2 bad arguments (unknown group, no ids and no --all).
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import os
+import sys
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
 
 import typer
 
 from roomservice import errors
+from roomservice.admin.dead_letters import DeadLetterAdmin
+from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.broker import GroupSpec, consumer_groups, open_broker
-from roomservice.brokers.port import Broker
 from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
 from roomservice.clock import wall_clock_ms
 from roomservice.config import Settings
+from roomservice.observability.logging import configure_logging
 
 T = TypeVar("T")
 
@@ -41,11 +47,27 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _run(config: Path | None, data_dir: Path, work: Callable[[Broker, list[GroupSpec]], Awaitable[T]]) -> T:
+class _Stderr(io.TextIOBase):
+    """Whatever ``sys.stderr`` is when a line is written (a test runner swaps it per invocation)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _actor() -> str:
+    return os.environ.get("USER", "cli") or "cli"
+
+
+def _run(config: Path | None, data_dir: Path, work: Callable[[DeadLetterAdmin], Awaitable[T]]) -> T:
     from roomservice.store.migrate import opened_database, sqlite_file
 
     private_files()
     settings: Settings = settings_from_options(config, data_dir.expanduser().resolve())
+    # log lines (the broker opening) go to stderr: stdout is the answer (--json)
+    configure_logging(level=settings.logging.level, json=settings.logging.json, file=cast(TextIO, _Stderr()))
     groups = consumer_groups(settings)
     url = settings.database.connect_url()
     path = sqlite_file(url)
@@ -58,7 +80,7 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[Broker, list[Group
             AsyncExitStack() as stack,
         ):
             broker = await open_broker(settings, db=db, clock=wall_clock_ms, stack=stack)
-            return await work(broker, groups)
+            return await work(DeadLetterAdmin(broker, groups, audit=OutboxAdmin(db, clock=wall_clock_ms)))
 
     try:
         return asyncio.run(main())
@@ -78,10 +100,10 @@ def _group(groups: list[GroupSpec], name: str) -> GroupSpec:
 def groups_command(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var"), as_json: JsonOpt = False) -> None:
     """Each enabled consumer group: its topic, lag, deliveries in flight and dead letters."""
 
-    async def work(broker: Broker, groups: list[GroupSpec]) -> list[dict[str, Any]]:
+    async def work(admin: DeadLetterAdmin) -> list[dict[str, Any]]:
         out = []
-        for spec in groups:
-            stats = await broker.group_stats(spec.topic, spec.group)
+        for spec in admin.groups:
+            stats = await admin.broker.group_stats(spec.topic, spec.group)
             out.append(
                 {
                     "group": spec.group,
@@ -117,9 +139,9 @@ def dead_letters_command(
 ) -> None:
     """The dead letters of one group, oldest first."""
 
-    async def work(broker: Broker, groups: list[GroupSpec]) -> list[dict[str, Any]]:
-        spec = _group(groups, group)
-        letters = await broker.dead_letters(spec.group, limit=limit)
+    async def work(admin: DeadLetterAdmin) -> list[dict[str, Any]]:
+        spec = _group(admin.groups, group)
+        letters = await admin.dead_letters(spec.group, limit=limit)
         return [
             {
                 "message_id": d.message_id,
@@ -155,16 +177,10 @@ def replay_command(
     if not message_ids and not replay_all:
         _fail("name the dead letters to replay, or give --all")
 
-    async def work(broker: Broker, groups: list[GroupSpec]) -> dict[str, list[str]]:
-        spec = _group(groups, group)
-        ids = list(message_ids or [])
-        if replay_all:
-            ids = [d.message_id for d in await broker.dead_letters(spec.group, limit=10_000)]
-        done: list[str] = []
-        missing: list[str] = []
-        for message_id in ids:
-            (done if await broker.replay_dead_letter(spec.group, message_id) else missing).append(message_id)
-        return {"replayed": done, "not_dead_letters": missing}
+    async def work(admin: DeadLetterAdmin) -> dict[str, list[str]]:
+        spec = _group(admin.groups, group)
+        result = await admin.replay(spec.group, None if replay_all else list(message_ids or []), actor=_actor())
+        return {"replayed": list(result.replayed), "not_dead_letters": list(result.not_dead_letters)}
 
     report = _run(config, data_dir, work)
     if as_json:
