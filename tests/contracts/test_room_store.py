@@ -28,7 +28,7 @@ from roomservice.domain.state import RoomState
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import current_revision, head_revision, upgrade
-from roomservice.store.port import CommandIdTaken, Mutation, StoreConflict, StoreInconsistent
+from roomservice.store.port import CommandIdTaken, Mutation, StoreConflict, StoreInconsistent, StoreUnavailable
 from roomservice.store.sql import SqlRoomStore
 
 APP = "app_1"
@@ -641,3 +641,118 @@ async def test_a_broken_mutation_fails_alone_among_concurrent_ones(database: Dat
     for r in good:
         assert (await meta_row(database, room_id=r.room_id)).version == 2
     assert (await meta_row(database, room_id="broken")).version == 1  # nothing of it stayed
+
+
+# --------------------------------------------------------------------------- group commit
+
+
+def _count_commits(db: Database) -> list[int]:
+    """A list that grows by one for every COMMIT the engine sends (the database's own count)."""
+    commits: list[int] = []
+    sync_engine = db._sync_engine or db.engine.sync_engine  # SQLite's units run on the sync engine
+    sa.event.listen(sync_engine, "commit", lambda _conn: commits.append(1))
+    return commits
+
+
+async def test_concurrent_mutations_of_many_rooms_share_transactions(database: Database, store: SqlRoomStore) -> None:
+    rooms = [RoomDriver(store, room_id=f"many{n}") for n in range(40)]
+    for r in rooms:
+        await r.create()
+    commits = _count_commits(database)
+    before = store.group_commit_stats()
+
+    mutations = [r.mutation(c.JoinRoom(user_id="bob")) for r in rooms]
+    results = await asyncio.gather(*(store.save_mutation(m) for m in mutations), return_exceptions=True)
+
+    assert results == [None] * len(rooms)
+    after = store.group_commit_stats()
+    transactions = after["transactions"] - before["transactions"]
+    assert after["mutations"] - before["mutations"] == len(rooms)
+    assert 1 <= transactions < len(rooms)
+    assert len(commits) == transactions  # COMMITs sent, not just batches counted
+    for r, m in zip(rooms, mutations, strict=True):
+        assert (await meta_row(database, room_id=r.room_id)).version == m.state_after.version  # type: ignore[union-attr]
+    assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("many%")) == 2 * len(rooms)
+
+
+async def test_in_a_shared_transaction_each_kind_of_failure_fails_alone(
+    database: Database, store: SqlRoomStore
+) -> None:
+    """Stale version, stale lease epoch, an existing room, a reused command_id and a clashing
+    event_id, all in one batch with good mutations: only the good ones commit, each bad one
+    gets its own error, and the batch was shared (fewer transactions than mutations)."""
+    good = [RoomDriver(store, room_id=f"fine{n}") for n in range(5)]
+    stale_version, fenced = RoomDriver(store, room_id="stale-v"), RoomDriver(store, room_id="fenced")
+    reused, clashing, existing = (RoomDriver(store, room_id=n) for n in ("reused", "clashing", "existing"))
+    for r in (*good, stale_version, fenced, reused, clashing, existing):
+        await r.create()
+    await stale_version.run(c.JoinRoom(user_id="moved"))
+    stale_version.state = replace(stale_version.state, version=1)  # type: ignore[type-var]  # a cell a version behind
+    await store.take_lease_epoch(APP, "fenced")
+    await reused.run(c.JoinRoom(user_id="first"), command_id="dup")
+    async with database.read() as conn:
+        taken = await conn.scalar(sa.select(t.room_outbox.c.event_id).where(t.room_outbox.c.room_id == "fine0"))
+    clash = clashing.mutation(c.JoinRoom(user_id="bob"))
+    clash = dataclasses.replace(clash, events=(dataclasses.replace(clash.events[0], event_id=taken),))
+    again = RoomDriver(store, room_id="existing").mutation(c.CreateRoom(owner_id=OWNER, title="again"))
+    before = store.group_commit_stats()
+    mutations = [
+        *(r.mutation(c.JoinRoom(user_id="bob")) for r in good),
+        stale_version.mutation(c.JoinRoom(user_id="late")),
+        fenced.mutation(c.JoinRoom(user_id="bob")),
+        reused.mutation(c.JoinRoom(user_id="second"), command_id="dup"),
+        clash,
+        again,
+    ]
+
+    results = await asyncio.gather(*(store.save_mutation(m) for m in mutations), return_exceptions=True)
+
+    assert results[:5] == [None] * 5
+    assert [type(r) for r in results[5:8]] == [StoreConflict, StoreConflict, CommandIdTaken]
+    assert isinstance(results[8], sa.exc.IntegrityError)
+    assert type(results[9]) is StoreConflict
+    after = store.group_commit_stats()
+    assert after["transactions"] - before["transactions"] < len(mutations)
+    if not database.is_sqlite:  # the reused command_id and the clash sank the shared INSERTs: retried alone
+        assert after["retried_alone"] > before["retried_alone"]
+    for r in good:
+        assert (await meta_row(database, room_id=r.room_id)).version == 2
+    versions = {room: (await meta_row(database, room_id=room)).version for room in ("stale-v", "fenced", "reused")}
+    assert versions == {"stale-v": 2, "fenced": 1, "reused": 2}
+    assert (await meta_row(database, room_id="clashing")).version == 1
+    assert (await meta_row(database, room_id="existing")).title == "Friday night"
+    assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("fine%")) == 10
+
+
+async def test_callers_are_answered_only_after_the_shared_commit_and_all_fail_with_it(
+    database: Database, store: SqlRoomStore
+) -> None:
+    rooms = [RoomDriver(store, room_id=f"wait{n}") for n in range(12)]
+    for r in rooms:
+        await r.create()
+    tasks: list[asyncio.Task[None]] = []
+    answered_at_commit: list[int] = []
+    fail = [False]
+    sync_engine = database._sync_engine or database.engine.sync_engine
+
+    @sa.event.listens_for(sync_engine, "commit")
+    def at_commit(_conn: Any) -> None:
+        answered_at_commit.append(sum(task.done() for task in tasks))
+        if fail[0]:
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("connection lost during COMMIT"))
+
+    tasks.extend(asyncio.create_task(store.save_mutation(r.mutation(c.JoinRoom(user_id="a")))) for r in rooms)
+    assert await asyncio.gather(*tasks, return_exceptions=True) == [None] * len(rooms)
+    assert answered_at_commit and set(answered_at_commit) == {0}  # nobody was answered before a COMMIT
+
+    fail[0] = True
+    tasks.clear()
+    answered_at_commit.clear()
+    versions = [(await meta_row(database, room_id=r.room_id)).version for r in rooms]
+    tasks.extend(asyncio.create_task(store.save_mutation(r.mutation(c.JoinRoom(user_id="b")))) for r in rooms)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    sa.event.remove(sync_engine, "commit", at_commit)
+
+    assert all(isinstance(r, StoreUnavailable) for r in results), results  # outcome unknown: reload
+    assert set(answered_at_commit) == {0}
+    assert [(await meta_row(database, room_id=r.room_id)).version for r in rooms] == versions  # nothing stayed

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, Final
 
 from sqlalchemy import (
@@ -45,6 +45,7 @@ from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
 from roomservice.store.database import Database
+from roomservice.store.group_commit import GroupCommit
 from roomservice.store.port import (
     CommandIdTaken,
     LoadedRoom,
@@ -53,7 +54,6 @@ from roomservice.store.port import (
     RoomSummary,
     StoreConflict,
     StoreInconsistent,
-    StoreUnavailable,
 )
 from roomservice.store.tables import (
     room_command_log,
@@ -207,8 +207,17 @@ class SqlRoomStore:
         self.db = db
         self.snapshot_keep = snapshot_keep
         self._insert_snapshot = db.insert_ignoring_duplicates(room_snapshot)
-        # SQLite has one writer: let mutations that queue behind a commit share the next one
-        self._group_commit = _GroupCommit(db) if db.is_sqlite else None
+        # Mutations that queue behind a commit share the next one (see store.group_commit).
+        self._group_commit: GroupCommit[_MutationUnit] = (
+            GroupCommit(
+                self._commit_sqlite_batch, lanes=_SQLITE_LANES, max_batch=_SQLITE_MAX_BATCH, timeout_s=db.timeout_s
+            )
+            if db.is_sqlite
+            else GroupCommit(
+                self._commit_mysql_batch, lanes=_MYSQL_LANES, max_batch=_MYSQL_MAX_BATCH, timeout_s=db.timeout_s
+            )
+        )
+        self.retried_alone = 0  # MySQL/MariaDB batches rolled back and retried one mutation at a time
 
     async def find_command(self, app_code: str, room_id: str, command_id: str) -> LoggedCommand | None:
         params = {"app_code": app_code, "room_id": room_id, "command_id": command_id}
@@ -262,10 +271,29 @@ class SqlRoomStore:
         command = _command_row(mutation, mutation.state_after)
         outbox = [_outbox_row(event, mutation.now_ms, mutation.trace_context) for event in mutation.events]
         unit = (mutation, meta_guard, meta_values, command, outbox)
-        if self._group_commit is not None:
-            await self._group_commit.save(unit)
-        else:
-            await self.db.run_write(_save_mutation, *unit)
+        await self._group_commit.save(unit)
+
+    def group_commit_stats(self) -> dict[str, int]:
+        """Shared write transactions ``save_mutation`` started, the mutations they carried, and how
+        many were rolled back for one mutation's failure and retried one mutation at a time."""
+        gc = self._group_commit
+        return {"transactions": gc.transactions, "mutations": gc.mutations, "retried_alone": self.retried_alone}
+
+    async def _commit_sqlite_batch(self, units: list[_MutationUnit]) -> list[Exception | None]:
+        return await self.db.run_write(_save_mutations, units)
+
+    async def _commit_mysql_batch(self, units: list[_MutationUnit]) -> list[Exception | None]:
+        if len(units) == 1:
+            return [await _outcome_of(self.db.run_write(_save_mutation, *units[0]))]
+        try:
+            return await self.db.run_write(_save_mutations_together, units)
+        except _RetryAlone:
+            # rolled back, nothing of it committed: each mutation again in a transaction of its own,
+            # so the one that failed fails alone
+            self.retried_alone += 1
+            return list(
+                await asyncio.gather(*(_outcome_of(self.db.run_write(_save_mutation, *unit)) for unit in units))
+            )
 
     async def save_snapshot(self, state: RoomState, *, now_ms: int) -> None:
         row = {
@@ -339,17 +367,7 @@ def _save_mutation(
     command: dict[str, Any],
     outbox: list[dict[str, Any]],
 ) -> None:
-    if meta_guard is None:
-        try:
-            conn.execute(_INSERT_META, meta_values)
-        except IntegrityError as exc:
-            raise StoreConflict(f"room {m.app_code}/{m.room_id} already exists") from exc
-    else:
-        guarded = _UPDATE_META if m.events else _TOUCH_META
-        if conn.execute(guarded, {**meta_guard, **meta_values}).rowcount != 1:
-            raise StoreConflict(
-                f"room {m.app_code}/{m.room_id} is no longer at version {m.expected_version} with lease epoch {m.epoch}"
-            )
+    _write_meta(conn, m, meta_guard, meta_values)
     try:
         conn.execute(_INSERT_COMMAND, command)
     except IntegrityError as exc:
@@ -359,67 +377,42 @@ def _save_mutation(
         conn.execute(_INSERT_OUTBOX, outbox)
 
 
-_MutationUnit = tuple[Mutation, "dict[str, Any] | None", "dict[str, Any]", "dict[str, Any]", "list[dict[str, Any]]"]
-_GROUP_COMMIT_MAX: Final = 256
-
-
-class _GroupCommit:
-    """Group commit for a single-writer database.
-
-    Every SaveMutation waits its turn for SQLite's one writer anyway; the gap
-    between one transaction ending and the next waiter getting to run is most
-    of the cost under load. Mutations that arrive while a commit is in flight
-    therefore go together into the next transaction, each inside its own
-    SAVEPOINT: one mutation's conflict rolls back only that mutation and is
-    raised to its caller alone, and every caller learns its own outcome only
-    after the shared COMMIT. A room's cell submits one mutation at a time, so
-    one batch never holds two mutations of the same room.
-    """
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
-        self._queue: list[tuple[_MutationUnit, asyncio.Future[None]]] = []
-        self._draining = False
-        self._drainer: asyncio.Task[None] | None = None  # held so the task is not collected mid-run
-
-    async def save(self, unit: _MutationUnit) -> None:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        self._queue.append((unit, future))
-        if not self._draining:
-            self._draining = True
-            self._drainer = loop.create_task(self._drain())
-        await future
-
-    async def _drain(self) -> None:
+def _write_meta(conn: Connection, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]) -> None:
+    """The room_meta row of ``m``: inserted for CreateRoom, else updated under the version and epoch guard."""
+    if meta_guard is None:
         try:
-            while self._queue:
-                batch, self._queue = self._queue[:_GROUP_COMMIT_MAX], self._queue[_GROUP_COMMIT_MAX:]
-                try:
-                    outcomes = await self._db.run_write(_save_mutations, [unit for unit, _ in batch])
-                except BaseException as exc:  # the shared transaction failed: nobody committed
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    continue
-                for (_, future), outcome in zip(batch, outcomes, strict=True):
-                    if future.done():  # its caller gave up; the outcome stands in the database
-                        continue
-                    if outcome is None:
-                        future.set_result(None)
-                    else:
-                        future.set_exception(outcome)
-        finally:
-            self._draining = False
-            for _, future in self._queue:  # only after a cancellation (shutdown)
-                if not future.done():
-                    future.set_exception(StoreUnavailable("the store is shutting down"))
-            self._queue.clear()
+            conn.execute(_INSERT_META, meta_values)
+        except IntegrityError as exc:
+            raise StoreConflict(f"room {m.app_code}/{m.room_id} already exists") from exc
+        return
+    guarded = _UPDATE_META if m.events else _TOUCH_META
+    if conn.execute(guarded, {**meta_guard, **meta_values}).rowcount != 1:
+        raise StoreConflict(
+            f"room {m.app_code}/{m.room_id} is no longer at version {m.expected_version} with lease epoch {m.epoch}"
+        )
+
+
+_MutationUnit = tuple[Mutation, "dict[str, Any] | None", "dict[str, Any]", "dict[str, Any]", "list[dict[str, Any]]"]
+# SQLite: one writer, so one lane; a batch is one write lock's worth of work.
+_SQLITE_LANES: Final = 1
+_SQLITE_MAX_BATCH: Final = 256
+# MySQL/MariaDB: a few shared transactions in flight, so one's COMMIT (its log flush)
+# overlaps the next one's statements; a batch of 64 keeps its row locks short.
+_MYSQL_LANES: Final = 4
+_MYSQL_MAX_BATCH: Final = 64
+# Errors after which the server has rolled back (1213: deadlock) or can (1205: lock
+# wait timeout) and the connection still answers: nothing of the batch committed.
+_MYSQL_RETRY_ALONE_CODES: Final = frozenset({1205, 1213})
+
+
+class _RetryAlone(Exception):
+    """The shared transaction was rolled back for one mutation's sake (which, the
+    database did not say): each mutation of it is retried in a transaction of its own."""
 
 
 def _save_mutations(conn: Connection, units: list[_MutationUnit]) -> list[Exception | None]:
+    """SQLite's shared transaction: each mutation in its own SAVEPOINT (cheap there: no
+    round trip), so one mutation's failure rolls back only that mutation."""
     outcomes: list[Exception | None] = []
     for unit in units:
         try:
@@ -432,6 +425,58 @@ def _save_mutations(conn: Connection, units: list[_MutationUnit]) -> list[Except
         else:
             outcomes.append(None)
     return outcomes
+
+
+def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> list[Exception | None]:
+    """MySQL/MariaDB's shared transaction, without a SAVEPOINT round trip per mutation: the
+    guarded meta write of each mutation, then every command log row in one INSERT and every
+    outbox row in another.
+
+    A guard that matches no row (stale version or epoch) or a room that already exists
+    wrote nothing (InnoDB rolls back the failed statement only): that mutation fails alone
+    and its rows are left out. A failure that cannot be pinned on one mutation (a reused
+    command_id in the shared INSERT, a deadlock) raises :class:`_RetryAlone`.
+    """
+    outcomes: list[Exception | None] = [None] * len(units)
+    commands: list[dict[str, Any]] = []
+    outbox: list[dict[str, Any]] = []
+    # rooms in key order: two batches (of two processes) never lock the same rooms crosswise
+    order = sorted(range(len(units)), key=lambda i: (units[i][0].app_code, units[i][0].room_id))
+    try:
+        for i in order:
+            m, meta_guard, meta_values, command, rows = units[i]
+            try:
+                _write_meta(conn, m, meta_guard, meta_values)
+            except StoreConflict as conflict:
+                outcomes[i] = conflict
+                continue
+            commands.append(command)
+            outbox.extend(rows)
+        if commands:
+            conn.execute(_INSERT_COMMAND, commands)
+        if outbox:
+            conn.execute(_INSERT_OUTBOX, outbox)
+    except IntegrityError as exc:
+        raise _RetryAlone("a row of the shared INSERT clashed") from exc
+    except OperationalError as exc:
+        if _mysql_error_code(exc) in _MYSQL_RETRY_ALONE_CODES:
+            raise _RetryAlone(f"shared transaction rolled back ({_mysql_error_code(exc)})") from exc
+        raise
+    return outcomes
+
+
+async def _outcome_of(write: Awaitable[None]) -> Exception | None:
+    """None when ``write`` committed, else the exception it failed with."""
+    try:
+        await write
+    except Exception as failure:
+        return failure
+    return None
+
+
+def _mysql_error_code(exc: OperationalError) -> int | None:
+    args = getattr(exc.orig, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
 
 
 def _save_snapshot(conn: Connection, insert_ignoring_duplicates: Insert, row: dict[str, Any], keep: int) -> None:

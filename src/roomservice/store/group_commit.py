@@ -1,0 +1,109 @@
+"""Group commit: mutations of different rooms that arrive together share one write transaction.
+
+The queue and its answers live here; what one shared transaction does is the
+backend's (``commit_batch``, in :mod:`roomservice.store.sql`). The rules, on
+every backend:
+
+* A caller is answered only after the transaction that holds its mutation has
+  committed (or failed): never before the shared COMMIT.
+* ``commit_batch`` returns one outcome per mutation, ``None`` or the exception
+  that mutation alone failed with (a stale version or lease epoch, a reused
+  command_id): a mutation that fails fails alone, the others commit.
+* When the shared transaction itself fails (the database did not answer, the
+  COMMIT failed), every caller in it gets that error: a write whose outcome is
+  unknown, so each cell is reloaded.
+* Each caller's wait (queue plus transaction) has the database deadline ``D``. A
+  caller that gave up (deadline, cancelled) before its batch was taken is left
+  out of it; once taken, its outcome stands in the database whatever it was told.
+
+A room's cell submits one mutation at a time, so one batch holds at most one
+mutation per room. ``lanes`` shared transactions may be in flight at once: 1 for
+SQLite (one writer), a few for MySQL/MariaDB, where the transactions of
+different rooms do not wait for each other; a mutation that arrives while every
+lane is busy waits for the next free one and goes with whatever queued beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
+
+U = TypeVar("U")
+
+CommitBatch = Callable[[list[U]], Awaitable[Sequence[Exception | None]]]
+
+
+class GroupCommit(Generic[U]):
+    """The queue of mutations waiting for a shared transaction, and who gets which answer."""
+
+    def __init__(self, commit_batch: CommitBatch[U], *, lanes: int, max_batch: int, timeout_s: float) -> None:
+        if lanes < 1 or max_batch < 1:
+            raise ValueError("lanes and max_batch must be at least 1")
+        self._commit_batch = commit_batch
+        self._lanes = lanes
+        self._max_batch = max_batch
+        self._timeout_s = timeout_s
+        self._queue: list[tuple[U, asyncio.Future[None]]] = []
+        self._drainers: set[asyncio.Task[None]] = set()  # held so a task is not collected mid-run
+        self.transactions = 0  # shared transactions started
+        self.mutations = 0  # mutations they carried
+
+    async def save(self, unit: U) -> None:
+        """Queue ``unit`` and return once the transaction that carried it committed; raise its failure."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._queue.append((unit, future))
+        if len(self._drainers) < self._lanes:
+            task = loop.create_task(self._drain(), name="store-group-commit")
+            self._drainers.add(task)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await future  # a timeout or a cancellation cancels the future: a batch not taken skips it
+        except TimeoutError as exc:
+            raise StoreDeadlineExceeded(f"database call exceeded its {self._timeout_s:g}s deadline") from exc
+
+    def _take(self) -> list[tuple[U, asyncio.Future[None]]]:
+        """The next batch: up to ``max_batch`` queued mutations whose callers still wait."""
+        batch: list[tuple[U, asyncio.Future[None]]] = []
+        while self._queue and len(batch) < self._max_batch:
+            room = self._max_batch - len(batch)
+            taken, self._queue = self._queue[:room], self._queue[room:]
+            batch.extend(entry for entry in taken if not entry[1].done())
+        return batch
+
+    async def _drain(self) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        try:
+            while batch := self._take():
+                self.transactions += 1
+                self.mutations += len(batch)
+                try:
+                    outcomes = await self._commit_batch([unit for unit, _ in batch])
+                except BaseException as exc:  # the shared transaction failed: nobody committed for sure
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if future.done():  # its caller gave up; the outcome stands in the database
+                        continue
+                    if outcome is None:
+                        future.set_result(None)
+                    else:
+                        future.set_exception(outcome)
+        except asyncio.CancelledError:
+            if len(self._drainers) == 1:  # the last lane, cancelled (shutdown): nobody takes the rest
+                for _, future in self._queue:
+                    if not future.done():
+                        future.set_exception(StoreUnavailable("the store is shutting down"))
+                self._queue.clear()
+            raise
+        finally:
+            # at once, not in a done-callback: a save() queued after the last _take() must see a free lane
+            self._drainers.discard(me)
