@@ -1,15 +1,19 @@
-"""Benchmark of the room write path (issue: write path).
+"""Benchmark of the room write path (issues: write path, 12).
 
 Prints, for SQLite and MariaDB:
   * commands/s of the in-process command path (JoinRoom, concurrency 64, 1,000 rooms)
-    beside a raw baseline: the same transaction (guarded room_meta update + command
-    log insert + outbox insert, rows of the same sizes) issued by a minimal loop with
-    the same driver and concurrency, measured in the same run;
-  * p50/p99 command latency; HTTP commands/s against a real server process;
-  * Room Cell load time (snapshot + up to snapshot_every_n log rows);
-  * resident memory per room for 10,000 rooms of 10 members.
+    beside the bare-driver baseline measured in the same run (bench.bare: asyncmy or
+    sqlite3 doing the same transaction — guarded room_meta update + command log insert
+    + outbox insert, rows of the sizes the real run wrote — one per command, same
+    concurrency), and, labelled, the same transaction through SQLAlchemy;
+  * p50/p99 command latency; Room Cell load time (snapshot + snapshot_every_n - 1 log rows);
+  * memory per room for 10,000 rooms of 10 members;
+  * with --sweep: throughput and p99 against concurrency, drawn to an SVG (--plot).
 
-    .venv/bin/python -m bench.command_path [--backend sqlite|mariadb|both] [--commands N]
+HTTP is measured by bench.http_commands.
+
+    .venv/bin/python -m bench.command_path [--backend sqlite|mariadb|both] [--commands N] [--rounds R]
+    .venv/bin/python -m bench.command_path --sweep 1,2,4,8,16,32,64,128,256 [--plot docs/bench-concurrency.svg]
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import resource
 import sys
@@ -29,6 +32,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from bench import bare, plot
+from bench.bare import WriteShape
 from bench.common import describe, fresh_database, percentile, run_concurrently
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.cell.cell import RoomCell
@@ -46,17 +51,18 @@ CONCURRENCY = 64
 ROOMS = 1_000
 
 
-def _settings(url: str, data_dir: str) -> Any:
+def _settings(url: str, data_dir: str, concurrency: int = CONCURRENCY) -> Any:
+    pool = max(concurrency, CONCURRENCY)
     return (
         load_settings()
         .with_data_dir(Path(data_dir))
-        .with_overrides({"database.url": url, "database.pool_size": CONCURRENCY, "database.max_overflow": 8})
+        .with_overrides({"database.url": url, "database.pool_size": pool, "database.max_overflow": 8})
     )
 
 
-async def service_run(url: str, commands: int) -> dict[str, Any]:
+async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY, load: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data_dir:
-        async with Process.running(_settings(url, data_dir), roles=(API, MAINTENANCE), loops=False) as rt:
+        async with Process.running(_settings(url, data_dir, concurrency), roles=(API, MAINTENANCE), loops=False) as rt:
             svc = rt.service
             await run_concurrently(
                 CONCURRENCY,
@@ -66,7 +72,7 @@ async def service_run(url: str, commands: int) -> dict[str, Any]:
             jobs = list(range(commands))
             start = time.perf_counter()
             latencies = await run_concurrently(
-                CONCURRENCY,
+                concurrency,
                 jobs,
                 lambda i: svc.execute(APP, f"room{i % ROOMS}", f"join-{i}", c.JoinRoom(user_id=f"user{i}")),
             )
@@ -82,12 +88,12 @@ async def service_run(url: str, commands: int) -> dict[str, Any]:
                         ).where(t.room_command_log.c.command_type == "JoinRoom")
                     )
                 ).one()
-            load = await cell_load_time(rt)
+            loaded = await cell_load_time(rt) if load else None
     return {
         "cps": commands / elapsed,
         "latencies": latencies,
         "sizes": [int(float(x)) for x in sizes],
-        "load": load,
+        "load": loaded,
     }
 
 
@@ -107,22 +113,22 @@ async def cell_load_time(rt: Process) -> dict[str, float]:
     return {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99), "log_rows": float(loaded.replayed_events)}
 
 
-async def raw_run(url: str, commands: int, sizes: list[int], via: str = "async") -> dict[str, Any]:
-    """The same transaction, minimal: no domain, no cell, no JSON building, no idempotency lookup."""
-    command_len, events_len, response_len, payload_len = sizes
+async def sqlalchemy_run(url: str, commands: int, sizes: list[int]) -> dict[str, Any]:
+    """The same transaction through SQLAlchemy and the store's one-hop path (``Database.run_write``):
+    a second, labelled figure beside the bare driver, showing what SQLAlchemy and the hop cost."""
     db = Database.from_url(url, pool_size=CONCURRENCY, max_overflow=8)
     try:
         await upgrade(db)
+        shape = WriteShape(ROOMS, (sizes[0], sizes[1], sizes[2], sizes[3]))
+        meta_keys = ("version", "status", "title", "member_count", "heat", "updated_at_ms",
+                     "b_app", "b_room", "b_version", "b_epoch")
+        log_keys = [col.name for col in t.room_command_log.c if col.name != "id"]
+        outbox_keys = ("event_id", "app_code", "room_id", "room_version", "event_type", "payload", "status",
+                       "targets_done", "due_at_ms", "created_at_ms", "updated_at_ms")
+        meta_columns = [col.name for col in t.room_meta.c]
         async with db.write() as conn:
-            await conn.execute(
-                sa.insert(t.room_meta),
-                [
-                    dict(app_code=APP, room_id=f"room{r}", version=1, lease_epoch=0, owner_id="owner", title="b",
-                         status="open", seat_count=8, member_count=1, heat=0, created_at_ms=0, updated_at_ms=0)
-                    for r in range(ROOMS)
-                ],
-            )
-        versions = dict.fromkeys(range(ROOMS), 1)
+            await conn.execute(sa.insert(t.room_meta), [dict(zip(meta_columns, row, strict=True))
+                                                          for row in shape.meta_seed()])
         update = (
             sa.update(t.room_meta)
             .where(
@@ -135,40 +141,17 @@ async def raw_run(url: str, commands: int, sizes: list[int], via: str = "async")
                     heat=sa.bindparam("heat"), status=sa.bindparam("status"), title=sa.bindparam("title"),
                     updated_at_ms=sa.bindparam("updated_at_ms"))
         )
-        insert_log = sa.insert(t.room_command_log)
-        insert_outbox = sa.insert(t.room_outbox)
-        blob_command, blob_events, blob_response = "c" * command_len, "e" * events_len, "r" * response_len
-        payload = b"p" * payload_len
+        insert_log, insert_outbox = sa.insert(t.room_command_log), sa.insert(t.room_outbox)
 
-        def statements(i: int) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-            room = i % ROOMS
-            version = versions[room]
-            versions[room] = version + 1
-            now = time.time_ns() // 1_000_000
-            meta = dict(b_app=APP, b_room=f"room{room}", b_version=version, b_epoch=0, version=version + 1,
-                        member_count=version, heat=0, status="open", title="b", updated_at_ms=now)
-            log = dict(app_code=APP, room_id=f"room{room}", command_id=f"join-{i}", command_type="JoinRoom",
-                       fingerprint="f" * 64, command=blob_command, events=blob_events, response=blob_response,
-                       version=version + 1, now_ms=now, created_at_ms=now)
-            outbox = [dict(event_id=f"ev-{i}", app_code=APP, room_id=f"room{room}", room_version=version + 1,
-                           event_type="RoomUserJoined", payload=payload, status="pending", targets_done="",
-                           due_at_ms=now, created_at_ms=now, updated_at_ms=now)]
-            return meta, log, outbox
-
-        def write_sync(conn: Any, meta: dict[str, Any], log: dict[str, Any], outbox: list[dict[str, Any]]) -> None:
+        def write_sync(conn: Any, meta: dict[str, Any], log: dict[str, Any], outbox: dict[str, Any]) -> None:
             assert conn.execute(update, meta).rowcount == 1
             conn.execute(insert_log, log)
-            conn.execute(insert_outbox, outbox)
+            conn.execute(insert_outbox, [outbox])
 
-        async def one(i: int) -> None:
-            meta, log, outbox = statements(i)
-            if via == "thread":  # the store's own path: one hop to a worker thread per transaction
-                await db.run_write(write_sync, meta, log, outbox)
-                return
-            async with db.write() as conn:  # the configured async driver, statement by statement
-                assert (await conn.execute(update, meta)).rowcount == 1
-                await conn.execute(insert_log, log)
-                await conn.execute(insert_outbox, outbox)
+        async def one(i: object) -> None:
+            meta, log, outbox = shape.rows(int(i))  # type: ignore[call-overload]
+            await db.run_write(write_sync, dict(zip(meta_keys, meta, strict=True)),
+                               dict(zip(log_keys, log, strict=True)), dict(zip(outbox_keys, outbox, strict=True)))
 
         start = time.perf_counter()
         latencies = await run_concurrently(CONCURRENCY, list(range(commands)), one)
@@ -178,76 +161,15 @@ async def raw_run(url: str, commands: int, sizes: list[int], via: str = "async")
     return {"cps": commands / elapsed, "latencies": latencies}
 
 
-class KeepAliveClient:
-    """A minimal HTTP/1.1 keep-alive client on one connection: httpx's pool, shared by 64
-    concurrent requests, costs more CPU than the server it measures (measured: /healthz at
-    concurrency 64 gave 190 req/s through httpx and 3,087 req/s through this)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def connect(cls, port: int) -> KeepAliveClient:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        return cls(reader, writer)
-
-    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-        data = json.dumps(body).encode()
-        self.writer.write(
-            f"POST {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode() + data
-        )
-        await self.writer.drain()
-        head = await self.reader.readuntil(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        status = int(lines[0].split()[1])
-        length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length"))
-        return status, await self.reader.readexactly(length)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def http_run(commands: int) -> dict[str, float]:
-    """HTTP commands/s: a real `room-service serve` process on SQLite, clients in this process."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.e2e.server import ServerProcess, write_config
-
-    with tempfile.TemporaryDirectory() as tmp:
-        # the outbox worker off: this measures HTTP + the command path, not IM/activity delivery
-        config = write_config(Path(tmp) / "c.yaml", extra="outbox_worker: {enabled: false}\n")
-        server = ServerProcess(config=config, data_dir=Path(tmp) / "data")
-        server.start()
-        try:
-
-            async def drive() -> tuple[float, list[float]]:
-                clients = [await KeepAliveClient.connect(server.port) for _ in range(CONCURRENCY)]
-                rooms = 100
-                for r in range(rooms):
-                    body = {"command_id": f"c{r}", "room_id": f"h{r}", "owner_id": "o", "title": "t"}
-                    await clients[0].post(f"/v1/apps/{APP}/rooms", body)
-                jobs = iter(range(commands))
-                latencies: list[float] = []
-
-                async def lane(client: KeepAliveClient) -> None:
-                    for i in jobs:
-                        started = time.perf_counter()
-                        body = {"command_id": f"j{i}", "user_id": f"u{i}"}
-                        status, answer = await client.post(f"/v1/apps/{APP}/rooms/h{i % rooms}/join", body)
-                        assert status == 200, answer
-                        latencies.append((time.perf_counter() - started) * 1000)
-
-                start = time.perf_counter()
-                await asyncio.gather(*(lane(client) for client in clients))
-                elapsed = time.perf_counter() - start
-                for client in clients:
-                    client.close()
-                return commands / elapsed, latencies
-
-            cps, lat = asyncio.run(drive())
-        finally:
-            server.stop()
-    return {"cps": cps, "p50": percentile(lat, 0.5), "p99": percentile(lat, 0.99)}
+async def bare_run(url: str, commands: int, sizes: list[int], concurrency: int = CONCURRENCY) -> dict[str, Any]:
+    """The bare driver (asyncmy / sqlite3) on the migrated schema: see :mod:`bench.bare`."""
+    db = Database.from_url(url)
+    try:
+        await upgrade(db)
+    finally:
+        await db.dispose()
+    return await bare.write_rate(url, commands=commands, sizes=(sizes[0], sizes[1], sizes[2], sizes[3]),
+                                 concurrency=concurrency, rooms=ROOMS)
 
 
 def memory_per_room(rooms: int = 10_000, members: int = 10) -> dict[str, float]:
@@ -279,50 +201,83 @@ def memory_per_room(rooms: int = 10_000, members: int = 10) -> dict[str, float]:
     return {"traced_bytes_per_room": traced / rooms, "rss_kib_per_room": (rss_after - rss_before) / rooms}
 
 
-def report(backend: str, svc: dict[str, Any], raws: dict[str, dict[str, Any]]) -> None:
-    for via, raw in raws.items():
-        ratio = svc["cps"] / raw["cps"]
-        print(f"[{backend}] command path: {svc['cps']:8.0f} cmd/s   raw baseline ({via}): {raw['cps']:8.0f} tx/s   "
-              f"ratio {ratio:.2f}x (target >= 0.70)")
+def report(backend: str, svc: dict[str, Any], bare_: dict[str, Any], orm: dict[str, Any] | None) -> None:
+    ratio = svc["cps"] / bare_["cps"]
+    label = "bare sqlite3, one writer" if backend == "sqlite" else "bare asyncmy, a connection per caller"
+    print(f"[{backend}] command path: {svc['cps']:8.0f} cmd/s   baseline ({label}): {bare_['cps']:8.0f} tx/s   "
+          f"ratio {ratio:.2f}x (target >= 0.50)", flush=True)
+    if orm is not None:
+        print(f"[{backend}]   beside it, the same transaction through SQLAlchemy + Database.run_write: "
+              f"{orm['cps']:8.0f} tx/s ({orm['cps'] / bare_['cps']:.2f}x bare; command path "
+              f"{svc['cps'] / orm['cps']:.2f}x of it)", flush=True)
     print(f"[{backend}] command latency: {describe(svc['latencies'])}")
-    for via, raw in raws.items():
-        print(f"[{backend}] raw latency ({via}): {describe(raw['latencies'])}")
+    print(f"[{backend}] bare latency: {describe(bare_['latencies'])}")
     print(f"[{backend}] row sizes (command, events, response, outbox payload bytes): {svc['sizes']}")
-    load = svc["load"]
-    print(f"[{backend}] Room Cell load (snapshot + {int(load['log_rows'])} log rows): "
-          f"p50 {load['p50']:.2f} ms, p99 {load['p99']:.2f} ms")
+    load = svc.get("load")
+    if load:
+        print(f"[{backend}] Room Cell load (snapshot + {int(load['log_rows'])} log rows): "
+              f"p50 {load['p50']:.2f} ms, p99 {load['p99']:.2f} ms", flush=True)
 
 
-async def bench_backend(backend: str, commands: int) -> None:
-    async with fresh_database(backend) as url:
-        svc = await service_run(url, commands)
-    raws = {}
-    # SQLite: both the configured async driver (aiosqlite) and the store's own one-hop thread path.
-    for via in ("async", "thread") if backend == "sqlite" else ("async",):
+async def bench_backend(backend: str, commands: int, *, rounds: int, orm: bool) -> None:
+    for round_ in range(rounds):
         async with fresh_database(backend) as url:
-            raws[via] = await raw_run(url, commands, svc["sizes"], via)
-    report(backend, svc, raws)
+            svc = await service_run(url, commands, load=round_ == 0)
+        async with fresh_database(backend) as url:
+            bare_ = await bare_run(url, commands, svc["sizes"])
+        orm_ = None
+        if orm:
+            async with fresh_database(backend) as url:
+                orm_ = await sqlalchemy_run(url, commands, svc["sizes"])
+        report(backend, svc, bare_, orm_)
+
+
+async def sweep(backend: str, commands: int, concurrencies: list[int]) -> list[dict[str, float]]:
+    """Throughput and p99 of the command path and the bare driver at each concurrency (for the plot)."""
+    points = []
+    for n in concurrencies:
+        async with fresh_database(backend) as url:
+            svc = await service_run(url, commands, concurrency=n, load=False)
+        async with fresh_database(backend) as url:
+            bare_ = await bare_run(url, commands, svc["sizes"], concurrency=n)
+        point = {"concurrency": float(n), "cps": svc["cps"], "p99": percentile(svc["latencies"], 0.99),
+                 "bare_cps": bare_["cps"], "bare_p99": percentile(bare_["latencies"], 0.99)}
+        print(f"[{backend}] concurrency {n:4d}: command path {point['cps']:7.0f} cmd/s p99 {point['p99']:7.1f} ms   "
+              f"bare {point['bare_cps']:7.0f} tx/s p99 {point['bare_p99']:7.1f} ms   "
+              f"ratio {point['cps'] / point['bare_cps']:.2f}x", flush=True)
+        points.append(point)
+    return points
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")
     parser.add_argument("--commands", type=int, default=10_000)
-    parser.add_argument("--http-commands", type=int, default=3_000)
+    parser.add_argument("--rounds", type=int, default=1, help="command path + baseline pairs per backend")
+    parser.add_argument("--no-sqlalchemy", action="store_true", help="skip the labelled SQLAlchemy figure")
+    parser.add_argument("--rooms", type=int, default=10_000, help="rooms of the memory figure (0: skip it)")
+    parser.add_argument("--sweep", default="", help="concurrencies for the plot, e.g. 1,2,4,8,16,32,64,128,256")
+    parser.add_argument("--sweep-commands", type=int, default=3_000)
+    parser.add_argument("--plot", default="docs/bench-concurrency.svg", help="where the sweep's SVG goes")
     args = parser.parse_args()
     # room_command_timing stays on (it is part of the command path) but goes nowhere.
     configure_logging(level="info", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
     backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
     print(f"room-service write path benchmark: {args.commands} JoinRoom commands, concurrency {CONCURRENCY}, "
-          f"{ROOMS} rooms; python {sys.version.split()[0]}, {os.cpu_count()} cpus")
+          f"{ROOMS} rooms; python {sys.version.split()[0]}, {os.cpu_count()} cpus, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    if args.sweep:
+        concurrencies = [int(n) for n in args.sweep.split(",")]
+        series = {backend: asyncio.run(sweep(backend, args.sweep_commands, concurrencies)) for backend in backends}
+        Path(args.plot).write_text(plot.concurrency_svg(series))
+        print(f"plot: {args.plot}")
+        return
     for backend in backends:
-        asyncio.run(bench_backend(backend, args.commands))
-    http = http_run(args.http_commands)
-    print(f"[http/sqlite] {http['cps']:.0f} cmd/s over HTTP (client and server on this machine, outbox worker off), "
-          f"p50 {http['p50']:.1f} ms, p99 {http['p99']:.1f} ms")
-    mem = memory_per_room()
-    print(f"[memory] 10,000 rooms x 10 members: {mem['traced_bytes_per_room'] / 1024:.1f} KiB/room allocated "
-          f"(tracemalloc), {mem['rss_kib_per_room']:.1f} KiB/room resident (max RSS delta)")
+        asyncio.run(bench_backend(backend, args.commands, rounds=args.rounds, orm=not args.no_sqlalchemy))
+    if args.rooms:
+        mem = memory_per_room(rooms=args.rooms)
+        print(f"[memory] {args.rooms:,} rooms x 10 members: {mem['traced_bytes_per_room'] / 1024:.1f} KiB/room "
+              f"allocated (tracemalloc), {mem['rss_kib_per_room']:.1f} KiB/room resident (max RSS delta)")
 
 
 if __name__ == "__main__":

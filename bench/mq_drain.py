@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import sqlite3
 import sys
 import tempfile
 import time
@@ -42,8 +41,8 @@ from typing import Any
 import nats
 import sqlalchemy as sa
 from nats.js import api
-from sqlalchemy.engine import make_url
 
+from bench.bare import open_raw
 from bench.common import fresh_database, percentile
 from roomservice.bootstrap import API, OUTBOX, Process
 from roomservice.bootstrap.broker import retry_horizon_ms
@@ -235,135 +234,6 @@ async def ours_drain(backend: str, rows: int, batch: int | None, concurrency: in
 
 
 # --------------------------------------------------------------------------- raw: the bare drivers
-
-_COLUMNS = (
-    "id, event_id, app_code, room_id, room_version, event_type, payload, retry_count, targets_done, created_at_ms"
-)
-
-# The worker's SQLite claim (roomservice.outbox.sql.SQLITE_CLAIM), written out.
-_SQLITE_CLAIM = f"""
-UPDATE room_outbox SET status = 'delivering', lock_until_ms = :until, lock_owner = :owner, due_at_ms = :until,
-       updated_at_ms = :now
-WHERE id IN (
-  SELECT id FROM (
-    SELECT id, 0 AS priority, due FROM (
-      SELECT id, due_at_ms AS due FROM room_outbox WHERE status = 'pending' ORDER BY due_at_ms LIMIT :limit)
-    UNION ALL SELECT id, 1 AS priority, due FROM (
-      SELECT id, due_at_ms AS due FROM room_outbox WHERE status = 'retryable' AND due_at_ms <= :now
-      ORDER BY due_at_ms LIMIT :limit)
-    UNION ALL SELECT id, 2 AS priority, due FROM (
-      SELECT id, due_at_ms AS due FROM room_outbox WHERE status = 'delivering' AND due_at_ms <= :now
-      ORDER BY due_at_ms LIMIT :limit)
-  ) ORDER BY priority, due LIMIT :limit)
-RETURNING {_COLUMNS}
-"""
-_FINISH_SET = (
-    "UPDATE room_outbox SET status = 'delivered', lock_until_ms = NULL, lock_owner = NULL, last_error = NULL, "
-    "targets_done = {p}, due_at_ms = {p}, updated_at_ms = {p}, delivered_at_ms = {p} "
-    "WHERE id IN ({ids}) AND status = 'delivering' AND lock_owner = {p}"
-)
-_MYSQL_CLAIM_SELECT = (
-    f"SELECT {_COLUMNS} FROM room_outbox WHERE status = %s {{due}}ORDER BY due_at_ms LIMIT %s FOR UPDATE SKIP LOCKED"
-)
-_MYSQL_MARK = (
-    "UPDATE room_outbox SET status = 'delivering', lock_until_ms = %s, lock_owner = %s, due_at_ms = %s, "
-    "updated_at_ms = %s WHERE id IN ({ids})"
-)
-LOCK_MS = 30_000
-
-
-class RawSqlite:
-    """sqlite3 (stdlib) on the loop's thread: WAL, synchronous=NORMAL, BEGIN IMMEDIATE per write."""
-
-    def __init__(self, url: str) -> None:
-        path = make_url(url).database
-        assert path
-        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        for pragma in ("PRAGMA journal_mode=WAL", "PRAGMA synchronous=NORMAL", "PRAGMA busy_timeout=5000"):
-            self.conn.execute(pragma)
-
-    async def claim(self, owner: str, now: int, limit: int) -> list[tuple[Any, ...]]:
-        self.conn.execute("BEGIN IMMEDIATE")
-        rows = self.conn.execute(
-            _SQLITE_CLAIM, {"owner": owner, "now": now, "until": now + LOCK_MS, "limit": limit}
-        ).fetchall()
-        self.conn.execute("COMMIT")
-        return rows
-
-    async def finish(self, owner: str, now: int, ids: list[int]) -> int:
-        sql = _FINISH_SET.format(p="?", ids=",".join("?" * len(ids)))
-        self.conn.execute("BEGIN IMMEDIATE")
-        changed = self.conn.execute(sql, ["broker", now, now, now, *ids, owner]).rowcount
-        self.conn.execute("COMMIT")
-        return changed
-
-    async def close(self) -> None:
-        self.conn.close()
-
-
-class RawMariaDB:
-    """asyncmy, READ COMMITTED: the worker's claim SELECTs (FOR UPDATE SKIP LOCKED) + UPDATE by id, then finish."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-
-    @classmethod
-    async def connect(cls, url: str) -> RawMariaDB:
-        import asyncmy
-
-        u = make_url(url)
-        conn = await asyncmy.connect(
-            host=u.host or "127.0.0.1",
-            port=u.port or 3306,
-            user=u.username or "root",
-            password=u.password or "",
-            database=u.database,
-            charset="utf8mb4",
-            autocommit=False,
-        )
-        async with conn.cursor() as cur:
-            await cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        await conn.commit()
-        return cls(conn)
-
-    async def claim(self, owner: str, now: int, limit: int) -> list[tuple[Any, ...]]:
-        rows: list[tuple[Any, ...]] = []
-        async with self.conn.cursor() as cur:
-            for status, due in (
-                ("pending", ""),
-                ("retryable", "AND due_at_ms <= %s "),
-                ("delivering", "AND due_at_ms <= %s "),
-            ):
-                missing = limit - len(rows)
-                if missing <= 0:
-                    break
-                params = (status, now, missing) if due else (status, missing)
-                await cur.execute(_MYSQL_CLAIM_SELECT.format(due=due), params)
-                rows.extend(await cur.fetchall())
-            if rows:
-                ids = [r[0] for r in rows]
-                await cur.execute(
-                    _MYSQL_MARK.format(ids=",".join(["%s"] * len(ids))),
-                    (now + LOCK_MS, owner, now + LOCK_MS, now, *ids),
-                )
-        await self.conn.commit()
-        return rows
-
-    async def finish(self, owner: str, now: int, ids: list[int]) -> int:
-        async with self.conn.cursor() as cur:
-            changed = await cur.execute(
-                _FINISH_SET.format(p="%s", ids=",".join(["%s"] * len(ids))), ("broker", now, now, now, *ids, owner)
-            )
-        await self.conn.commit()
-        return int(changed)
-
-    async def close(self) -> None:
-        self.conn.close()
-
-
-async def open_raw(url: str) -> RawSqlite | RawMariaDB:
-    return RawSqlite(url) if url.startswith("sqlite") else await RawMariaDB.connect(url)
-
 
 class RawPublisher:
     """nats-py: one awaited JetStream publish per row (Nats-Msg-Id = event_id), ``concurrency`` at a time."""

@@ -2,10 +2,12 @@
 
 Prints, for SQLite and MariaDB:
   * drain rate (events/s) of 1, 2 and 4 worker processes with an instantly-accepting
-    publisher, beside a raw baseline in the same run: the same claim and finish SQL
-    (the repository's statements) issued by minimal loops in the same number of processes;
+    publisher, beside the bare-driver baseline in the same run: the worker's claim and
+    guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
+    loops in the same number of processes;
   * commit-to-delivered latency p50/p99 at a steady 200 events/s with poll_interval 1s
-    (the commit's wake-up, not the poll, must carry it).
+    (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
+    claim + finish cycle (two transactions with the bare driver) in the same run.
 
     .venv/bin/python -m bench.outbox_drain [--backend sqlite|mariadb|both] [--rows N]
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from bench.bare import claim_finish_cycles, open_raw
 from bench.common import fresh_database, percentile
 from roomservice.bootstrap import Process
 from roomservice.config import load_settings
@@ -32,8 +35,6 @@ from roomservice.domain import commands as c
 from roomservice.domain import events as e
 from roomservice.domain.events import Event
 from roomservice.observability.logging import configure_logging
-from roomservice.outbox.repository import Delivered
-from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
@@ -114,17 +115,17 @@ async def raw_drain(backend: str, workers: int, rows: int) -> float:
 
 
 async def raw_loop(url: str, owner: str) -> None:
-    """The raw baseline process: claim a batch, finish it as delivered, nothing else."""
-    db = Database.from_url(url, pool_size=2, max_overflow=0)
-    repo = SqlOutboxRepository(db)
+    """The baseline process: the bare driver (sqlite3 / asyncmy, bench.bare) claims a batch with the
+    worker's claim statement and finishes it as delivered with the worker's guarded finish, nothing else."""
+    store = await open_raw(url)
     print("ready", flush=True)
     while True:
         now = time.time_ns() // 1_000_000
-        rows = await repo.claim_due(owner=owner, now_ms=now, lock_ms=30_000, limit=BATCH)
+        rows = await store.claim(owner, now, BATCH)
         if not rows:
             await asyncio.sleep(0.05)
             continue
-        await repo.finish(owner=owner, now_ms=now, delivered=[Delivered(r.id, "broker") for r in rows], retries=[])
+        await store.finish(owner, now, [r[0] for r in rows])
 
 
 class InstantPublisher:
@@ -194,18 +195,27 @@ async def idle_cost(backend: str, *, seconds: float = 10.0) -> dict[str, float]:
     return {"cpu_pct": 100 * cpu / seconds, "batches": float(claimed)}
 
 
-async def run(backends: list[str], rows: int) -> None:
+async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: int, seconds: float,
+              idle_s: float) -> None:
     for backend in backends:
-        for workers in (1, 2, 4):
+        for workers in workers_list:
             worker_rate = await worker_drain(backend, workers, rows)
             raw_rate = await raw_drain(backend, workers, rows)
             print(f"[{backend}] {workers} worker(s): {worker_rate:7.0f} events/s   raw claim+finish: "
-                  f"{raw_rate:7.0f} events/s   ratio {worker_rate / raw_rate:.2f}x (target >= 0.70)", flush=True)
-        lat = await commit_to_delivered(backend)
-        print(f"[{backend}] commit-to-delivered at 200 events/s, poll_interval 1s: p50 {lat['p50']:.0f} ms, "
-              f"p99 {lat['p99']:.0f} ms over {lat['n']:.0f}/{lat['expected']:.0f} events (target p99 < 50 ms)",
-              flush=True)
-        idle = await idle_cost(backend)
+                  f"{raw_rate:7.0f} events/s (bare driver)   ratio {worker_rate / raw_rate:.2f}x (target >= 0.90)",
+                  flush=True)
+        lat = await commit_to_delivered(backend, rate=rate, seconds=seconds)
+        async with fresh_database(backend) as url:
+            await seed(url, 200)
+            cycle = await claim_finish_cycles(url, 200)
+        cycle_p99 = percentile(cycle, 0.99)
+        print(f"[{backend}] commit-to-delivered at {rate} events/s, poll_interval 1s: p50 {lat['p50']:.0f} ms, "
+              f"p99 {lat['p99']:.0f} ms over {lat['n']:.0f}/{lat['expected']:.0f} events;   bare claim+finish "
+              f"cycle p50 {percentile(cycle, 0.5):.1f} ms, p99 {cycle_p99:.1f} ms;   p99 ratio "
+              f"{lat['p99'] / max(cycle_p99, 1e-9):.1f}x (issue 12 target <= 3x)", flush=True)
+        if not idle_s:
+            continue
+        idle = await idle_cost(backend, seconds=idle_s)
         print(f"[{backend}] idle process (worker polling every 1s, IM sandbox and activity service up): "
               f"{idle['cpu_pct']:.2f}% of one core, {idle['batches']:.0f} batches claimed", flush=True)
 
@@ -217,11 +227,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")
     parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--workers", default="1,2,4", help="worker process counts of the drain")
+    parser.add_argument("--rate", type=int, default=200, help="events/s of the latency run")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
+    parser.add_argument("--idle-seconds", type=float, default=10.0, help="length of the idle run (0: skip)")
     args = parser.parse_args()
     configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
     backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
     print(f"outbox drain benchmark: {args.rows} rows, batch {BATCH}; {os.cpu_count()} cpus", flush=True)
-    asyncio.run(run(backends, args.rows))
+    asyncio.run(run(backends, args.rows, workers_list=[int(n) for n in args.workers.split(",")], rate=args.rate,
+                    seconds=args.seconds, idle_s=args.idle_seconds))
 
 
 if __name__ == "__main__":

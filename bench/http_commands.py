@@ -1,0 +1,241 @@
+"""Benchmark of the HTTP API (issue 12, item 4): command rate against the same server's own floor.
+
+For each server below, a real ``room-service serve`` child process is driven from
+this process by a minimal HTTP/1.1 keep-alive client (:class:`KeepAliveClient`,
+one connection per concurrent caller, 64 by default), the same client for every
+figure:
+
+  * the floor: ``GET /healthz`` (no pipeline, no database);
+  * ``JoinRoom`` commands over 100 rooms, then ``SendGift`` commands (each joined
+    user sends one rose to the owner; a wallet debit per gift);
+  * ratio = commands/s / the same server's /healthz req/s (targets: >= 0.5 with the
+    outbox worker off, >= 0.25 for the embedded default).
+
+Servers:
+  * ``worker-off``: SQLite, the outbox worker off, logging at info (one
+    room_command_timing line per command, to the server's log file);
+  * ``embedded``: ``room-service serve`` with no --config, exactly as a newcomer
+    runs it (the packaged configs/local.yaml: outbox worker in mq mode on the
+    embedded broker, its four consumer groups, the IM sandbox, the activity
+    service and the embedded wallet, all in the one process), started in an empty
+    directory.
+
+Before it exits, each server's outbox is not checked: with the worker on, delivery
+runs on behind the commands (the figure is the command rate the server sustains
+while its in-process parts keep up or fall behind; the server's stderr shows any error).
+
+    .venv/bin/python -m bench.http_commands [--servers worker-off,embedded] [--commands N] [--rounds R]
+        [--concurrency C] [--profile DIR]   # --profile: py-spy record of the server during each run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.common import percentile
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.server import ServerProcess, write_config  # noqa: E402
+
+APP = "bench"
+ROOMS = 100
+
+
+class KeepAliveClient:
+    """A minimal HTTP/1.1 keep-alive client on one connection.
+
+    httpx's pool, shared by 64 concurrent requests, costs more CPU than the
+    server it measures (measured: /healthz at concurrency 64 gave 190 req/s
+    through httpx and 3,087 req/s through this), so every HTTP figure is taken
+    with this client, one connection per concurrent caller.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, port: int) -> KeepAliveClient:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return cls(reader, writer)
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+        if body is None:
+            self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+        else:
+            data = json.dumps(body).encode()
+            self.writer.write(
+                f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n".encode() + data
+            )
+        await self.writer.drain()
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = next(int(line.split(b":")[1]) for line in lines if line.lower().startswith(b"content-length"))
+        return status, await self.reader.readexactly(length)
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        return await self.request("POST", path, body)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+Request = tuple[str, str, "dict[str, Any] | None"]
+
+
+async def drive(clients: list[KeepAliveClient], requests: list[Request]) -> dict[str, Any]:
+    """Send every request, one lane per client; rate, latencies and any answer that was not 200."""
+    jobs = iter(requests)
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    async def lane(client: KeepAliveClient) -> None:
+        for method, path, body in jobs:
+            started = time.perf_counter()
+            status, answer = await client.request(method, path, body)
+            latencies.append((time.perf_counter() - started) * 1000)
+            if status != 200 and len(failures) < 5:
+                failures.append(f"{status} {answer[:200]!r}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(lane(client) for client in clients))
+    elapsed = time.perf_counter() - start
+    return {"rate": len(requests) / elapsed, "latencies": latencies, "failures": failures}
+
+
+def healthz(n: int) -> list[Request]:
+    return [("GET", "/healthz", None)] * n
+
+
+def joins(n: int, tag: str) -> list[Request]:
+    return [("POST", f"/v1/apps/{APP}/rooms/{tag}h{i % ROOMS}/join", {"command_id": f"{tag}j{i}",
+                                                                    "user_id": f"{tag}u{i}"}) for i in range(n)]
+
+
+def gifts(n: int, tag: str) -> list[Request]:
+    return [("POST", f"/v1/apps/{APP}/rooms/{tag}h{i % ROOMS}/gifts",
+             {"command_id": f"{tag}g{i}", "sender_id": f"{tag}u{i}", "receiver_id": "o", "gift_id": "rose",
+              "count": 1}) for i in range(n)]
+
+
+async def measure(port: int, *, commands: int, concurrency: int, tag: str,
+                  on_phase: Callable[[str], None] = lambda _: None) -> dict[str, dict[str, Any]]:
+    clients = [await KeepAliveClient.connect(port) for _ in range(concurrency)]
+    try:
+        for r in range(ROOMS):
+            body = {"command_id": f"{tag}c{r}", "room_id": f"{tag}h{r}", "owner_id": "o", "title": "t"}
+            status, answer = await clients[0].post(f"/v1/apps/{APP}/rooms", body)
+            assert status == 200, answer
+        out = {}
+        await drive(clients, healthz(concurrency * 20))  # warm-up: every connection accepted and used
+        for phase, requests in (("healthz", healthz(max(commands, 3_000))), ("join", joins(commands, tag)),
+                                ("gift", gifts(commands, tag))):
+            on_phase(phase)
+            out[phase] = await drive(clients, requests)
+        on_phase("done")
+        return out
+    finally:
+        for client in clients:
+            client.close()
+
+
+SERVERS = ("worker-off", "embedded")
+
+
+def start_server(kind: str, tmp: Path) -> ServerProcess:
+    if kind == "worker-off":
+        config = write_config(tmp / "c.yaml", extra="outbox_worker: {enabled: false}\n")
+        config.write_text(config.read_text().replace("level: warning", "level: info"))
+        server = ServerProcess(config=config, data_dir=tmp / "data")
+    elif kind == "embedded":  # no --config, no --data-dir: the packaged local.yaml, ./var in an empty dir
+        cwd = tmp / "newcomer"
+        cwd.mkdir()
+        server = ServerProcess(config=None, data_dir=cwd / "var", cwd=cwd)
+    else:
+        raise ValueError(kind)
+    server.start(timeout_s=60)
+    return server
+
+
+class Profiler:
+    """py-spy record of the server process for one phase (root on this machine, so ptrace works)."""
+
+    def __init__(self, pid: int, out_dir: Path | None, name: str) -> None:
+        self.pid, self.out_dir, self.name = pid, out_dir, name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def phase(self, phase: str) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(2)  # SIGINT: py-spy writes its output and exits
+            self.proc.wait(timeout=60)
+            self.proc = None
+        if self.out_dir is None or phase in ("done", "healthz"):
+            return
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        out = self.out_dir / f"{self.name}-{phase}.speedscope.json"
+        self.proc = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--rate", "200", "--format",
+                                      "speedscope", "-o", str(out)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+
+
+def run_server(kind: str, *, commands: int, concurrency: int, round_: int, profile: Path | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="roombench-http-") as tmp:
+        server = start_server(kind, Path(tmp))
+        try:
+            assert server.proc is not None
+            profiler = Profiler(server.proc.pid, profile, f"{kind}-r{round_}")
+            return asyncio.run(measure(server.port, commands=commands, concurrency=concurrency,
+                                       tag=f"r{round_}", on_phase=profiler.phase))
+        finally:
+            server.stop()
+
+
+def report(kind: str, round_: int, figures: dict[str, dict[str, Any]], target: float) -> None:
+    floor = figures["healthz"]["rate"]
+    parts = [f"healthz {floor:6.0f} req/s (p99 {percentile(figures['healthz']['latencies'], 0.99):.0f} ms)"]
+    for phase in ("join", "gift"):
+        f = figures[phase]
+        lat = f["latencies"]
+        parts.append(f"{phase} {f['rate']:5.0f} cmd/s = {f['rate'] / floor:.2f}x healthz "
+                     f"(p50 {percentile(lat, 0.5):.0f} / p99 {percentile(lat, 0.99):.0f} ms)")
+        if f["failures"]:
+            parts.append(f"{phase} FAILURES: {f['failures']}")
+    print(f"[http/{kind}] round {round_}: " + "   ".join(parts) + f"   (target >= {target:.2f}x)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--commands", type=int, default=3_000)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--profile", type=Path, default=None, help="directory for py-spy speedscope profiles")
+    args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    print(f"HTTP benchmark: {args.commands} commands per phase, concurrency {args.concurrency}, {ROOMS} rooms; "
+          f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}",
+          flush=True)
+    for round_ in range(1, args.rounds + 1):
+        for kind in args.servers.split(","):
+            figures = run_server(kind, commands=args.commands, concurrency=args.concurrency, round_=round_,
+                                 profile=args.profile)
+            report(kind, round_, figures, 0.5 if kind == "worker-off" else 0.25)
+
+
+if __name__ == "__main__":
+    main()

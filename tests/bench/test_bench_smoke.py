@@ -1,0 +1,86 @@
+"""Every benchmark script runs end to end with tiny sizes, so bench/ does not rot (no figures are checked).
+
+Each script prints its figure beside the bare-driver baseline of the same run;
+here only that it runs, that its self-checks pass (a bench asserts every row was
+delivered, every answer was 200) and that the ratio line is printed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from bench import plot
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(*args: str, timeout_s: float = 120) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_command_path_prints_the_bare_driver_ratio() -> None:
+    out = run_bench("bench.command_path", "--backend", "sqlite", "--commands", "200", "--rooms", "200")
+    assert "baseline (bare sqlite3, one writer)" in out and "ratio" in out
+    assert "through SQLAlchemy" in out and "Room Cell load" in out and "[memory]" in out
+
+
+def test_command_path_sweep_draws_the_plot(tmp_path: Path) -> None:
+    svg = tmp_path / "sweep.svg"
+    out = run_bench("bench.command_path", "--backend", "sqlite", "--sweep", "1,4", "--sweep-commands", "100",
+                    "--plot", str(svg))
+    assert "concurrency    4" in out
+    root = ET.fromstring(svg.read_text())
+    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 4  # rate + p99, ours + bare
+
+
+def test_outbox_drain_runs() -> None:
+    out = run_bench("bench.outbox_drain", "--backend", "sqlite", "--rows", "300", "--workers", "1",
+                    "--rate", "50", "--seconds", "1", "--idle-seconds", "0")
+    assert "(bare driver)" in out and "bare claim+finish cycle" in out
+
+
+def test_http_commands_runs() -> None:
+    out = run_bench("bench.http_commands", "--servers", "worker-off", "--commands", "200", "--concurrency", "8")
+    assert "x healthz" in out and "FAILURES" not in out
+
+
+def test_direct_mode_runs() -> None:
+    out = run_bench("bench.direct_mode", "--backend", "sqlite", "--events", "100")
+    assert "ratio worker/raw" in out
+
+
+def test_mq_drain_runs(require_service) -> None:  # type: ignore[no-untyped-def]
+    require_service("NATS", "127.0.0.1", 4222, hint="nats-server -js")
+    out = run_bench("bench.mq_drain", "--backend", "sqlite", "--rows", "300", "--rounds", "1", "--rate", "50",
+                    "--seconds", "1")
+    assert "ratio" in out and "bare cycle" in out
+
+
+def test_consumers_runs_on_the_embedded_broker() -> None:
+    out = run_bench("bench.consumers", "--brokers", "embedded", "--rate", "50", "--seconds", "1",
+                    "--messages", "200")
+    assert "activity" in out
+
+
+@pytest.mark.parametrize("backends", [("sqlite",), ("sqlite", "mariadb")])
+def test_plot_is_well_formed_svg(backends: tuple[str, ...]) -> None:
+    points = {b: [{"concurrency": float(n), "cps": 100.0 * n, "p99": 1.0 + n, "bare_cps": 200.0 * n,
+                   "bare_p99": 0.5 + n} for n in (1, 2, 4)] for b in backends}
+    root = ET.fromstring(plot.concurrency_svg(points, note="test"))
+    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 4 * len(backends)
