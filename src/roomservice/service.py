@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from structlog.contextvars import bound_contextvars
+import orjson
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from roomservice import errors
 from roomservice.cell.cell import RoomCell
@@ -60,9 +62,22 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
-def fingerprint(command: c.Command) -> str:
-    canonical = json.dumps(command.to_dict(), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def fingerprint(command: c.Command, fields: dict[str, Any] | None = None) -> str:
+    """sha256 of the command's canonical JSON: sorted keys, no spaces, ASCII (non-ASCII as \\u escapes).
+
+    ``fields`` is ``command.to_dict()`` when the caller has it already. orjson
+    writes the same bytes as ``json.dumps(sort_keys=True, separators=(",", ":"))``
+    for printable ASCII without escapes (every id, most titles), ~5x faster;
+    anything else takes the stdlib encoder, so stored fingerprints never change.
+    """
+    value = command.to_dict() if fields is None else fields
+    canonical = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    if not _PLAIN_ASCII.fullmatch(canonical):
+        canonical = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
+_PLAIN_ASCII = re.compile(rb"[\x20-\x5b\x5d-\x7e]*")  # printable ASCII without a backslash
 
 
 def stored_timing(timing: CommandTiming) -> dict[str, float | bool]:
@@ -113,13 +128,17 @@ class RoomService:
         """Run one write command; returns the response body or raises RoomServiceError."""
         timing = CommandTiming(command=command.name, app_code=app_code, room_id=room_id, command_id=command_id)
         total = Stopwatch()
-        # every line logged while this command runs names it (structlog merges contextvars)
-        with bound_contextvars(app_code=app_code, room_id=room_id, command_id=command_id):
+        # every line logged while this command runs names it (structlog merges contextvars);
+        # bind + reset directly: bound_contextvars also reads the whole context first
+        tokens = bind_contextvars(app_code=app_code, room_id=room_id, command_id=command_id)
+        try:
             if tracing.ENABLED:  # the command's span, its stages drawn from `timing` afterwards
                 return await tracing.traced_command(
                     timing, lambda: self._timed(app_code, room_id, command_id, command, timing, total)
                 )
             return await self._timed(app_code, room_id, command_id, command, timing, total)
+        finally:
+            reset_contextvars(**tokens)
 
     async def _timed(
         self,
@@ -179,7 +198,8 @@ class RoomService:
             raise errors.Retry(str(exc)) from exc
         timing.lease_ms += watch.lap()
 
-        print_ = fingerprint(command)
+        command_fields = command.to_dict()
+        print_ = fingerprint(command, command_fields)
         # Idempotency: the command log's unique (room, command_id) key is the authority.
         # Recent ids are answered from the cell; a gift, whose wallet debit must not run
         # for a reused id, is looked up before anything else; any other command finds
@@ -224,7 +244,7 @@ class RoomService:
             command_id=command_id,
             command_type=command.name,
             fingerprint=print_,
-            command=command.to_dict(),
+            command=command_fields,
             events=tuple(events),
             response=body,
             now_ms=now_ms,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
+import orjson
 from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -87,6 +88,10 @@ class ApiContext:
     console: Console | None = None  # serves the operators' web console under /console/ when set
 
 
+def _answer(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
 def _error(exc: errors.RoomServiceError, headers: dict[str, str] | None = None) -> JSONResponse:
     if isinstance(exc, ClosesConnection):
         headers = {**(headers or {}), "connection": "close"}
@@ -164,26 +169,28 @@ def create_app(ctx: ApiContext) -> FastAPI:
     execute = ctx.forwarder.execute if ctx.forwarder is not None else service.execute
     room_view = ctx.forwarder.room if ctx.forwarder is not None else service.room
 
+    # A command's answer is the pipeline's body, already in the shape of s.CommandResponse (which
+    # documents it): encoded once with orjson, not validated and serialised again by FastAPI.
     @app.post("/v1/apps/{app_code}/rooms", response_model=s.CommandResponse, tags=["commands"], responses=_CREATE)
     @command_endpoint(c.CreateRoom.name)
-    async def create_room(app_code: AppCode, body: s.CreateRoomBody) -> dict[str, Any]:
+    async def create_room(app_code: AppCode, body: s.CreateRoomBody) -> Response:
         entering_pipeline()
-        return await execute(app_code, body.room_id, body.command_id, body.to_command())
+        return _answer(await execute(app_code, body.room_id, body.command_id, body.to_command()))
 
     def register(name: str) -> None:
         suffix, body_type, command, responses = _COMMANDS[name]
 
         @command_endpoint(command.name)
-        async def handler(app_code: str, room_id: str, body: s._Body) -> dict[str, Any]:
+        async def handler(app_code: str, room_id: str, body: s._Body) -> Response:
             entering_pipeline()
-            return await execute(app_code, room_id, body.command_id, body.to_command())
+            return _answer(await execute(app_code, room_id, body.command_id, body.to_command()))
 
         # FastAPI reads the annotations: give each route its own body model
         handler.__annotations__ = {
             "app_code": AppCode,
             "room_id": RoomIdPath,
             "body": body_type,
-            "return": dict[str, Any],
+            "return": Response,
         }
         handler.__name__ = name
         app.post(

@@ -12,6 +12,7 @@ sees the request; see docs/http.md for what bounds them.
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Final
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
@@ -52,8 +53,16 @@ async def read_body(request: Request, *, max_bytes: int, timeout_s: float) -> by
     return b"".join(chunks)
 
 
-def replaying(request: Request, body: bytes) -> Request:
-    """A request over the same scope whose body is ``body`` (already read), for the handler to read again."""
+_UNPARSED: Final = object()
+
+
+def replaying(request: Request, body: bytes, parsed: Any = _UNPARSED) -> Request:
+    """A request over the same scope whose body is ``body`` (already read), for the handler to read again.
+
+    ``parsed``: the body's JSON value, already parsed (strictly) by the caller;
+    ``request.body()`` and ``request.json()`` then answer from it instead of
+    reading and parsing the body a second time.
+    """
     delivered = False
     receive = request.receive
 
@@ -64,4 +73,8 @@ def replaying(request: Request, body: bytes) -> Request:
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()  # after the body: the disconnect, when it comes
 
-    return Request(request.scope, replay)
+    again = Request(request.scope, replay)
+    if parsed is not _UNPARSED:
+        again._body = body  # what Request.body() and Request.json() cache after their first read
+        again._json = parsed
+    return again

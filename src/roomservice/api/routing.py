@@ -94,8 +94,7 @@ class JsonRoute(APIRoute):
             if attempt is not None:
                 attempt.body = body
             json_body.check_media_type(request.headers.get("content-type"))
-            json_body.parse(body)
-            return await handle(replaying(request, body))
+            return await handle(replaying(request, body, json_body.parse(body)))
 
         if command is None:
 
