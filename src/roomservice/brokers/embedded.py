@@ -50,7 +50,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -85,6 +85,8 @@ from roomservice.store.port import StoreUnavailable
 from roomservice.store.tables import broker_delivery, broker_group, broker_message
 
 T = TypeVar("T")
+ItemT = TypeVar("ItemT")
+ResultT = TypeVar("ResultT")
 
 NAME_MAX_CHARS: Final = 128  # topic, group and key: ASCII (case-sensitive on MySQL)
 LABEL_MAX_CHARS: Final = 255  # tag and sharding key
@@ -297,6 +299,61 @@ _MYSQL_PURGE_MESSAGES: Final = text(
 )
 
 
+# --------------------------------------------------------------------------- shared write transactions
+
+
+class Coalesced(Generic[ItemT, ResultT]):
+    """Calls that arrive while the previous batch is being written go together into the next one.
+
+    ``unit(conn, items)`` runs a batch's items in order in ONE write transaction
+    and returns one result per item; every caller hears its own result only
+    after that transaction committed. If the transaction fails, every call of
+    the batch fails with the error (none of them committed). A caller that
+    stops waiting (a timeout) does not take its item out of a batch already
+    being written: as with a single write, its outcome is then unknown.
+    """
+
+    def __init__(
+        self, db: Database, unit: Callable[[Connection, list[ItemT]], list[ResultT]], *, max_batch: int = 256
+    ) -> None:
+        self._db = db
+        self._unit = unit
+        self._max_batch = max_batch
+        self._queue: list[tuple[ItemT, asyncio.Future[ResultT]]] = []
+        self._drainer: asyncio.Task[None] | None = None  # held so the task is not collected mid-run
+
+    async def submit(self, item: ItemT) -> ResultT:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[ResultT] = loop.create_future()
+        self._queue.append((item, future))
+        if self._drainer is None:
+            self._drainer = loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
+                try:
+                    results = await self._db.run_write(self._unit, [item for item, _ in batch])
+                except BaseException as exc:  # the transaction failed: nobody's item committed
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():  # its caller may have stopped waiting
+                        future.set_result(result)
+        finally:
+            self._drainer = None
+            for _, future in self._queue:  # only after a cancellation (shutdown)
+                if not future.done():
+                    future.set_exception(StoreUnavailable("the embedded broker is shutting down"))
+            self._queue.clear()
+
+
 # --------------------------------------------------------------------------- the adapter
 
 
@@ -319,8 +376,12 @@ class EmbeddedBroker:
         self.retention_ms = int(config.retention.total_seconds() * 1000)
         self.cleanup_batch_size = config.cleanup_batch_size
         self._clock = clock
-        self._waiters: set[asyncio.Future[None]] = set()
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}  # fetches waiting, per topic
         self._closed = False
+        # publishes and acks that arrive while the previous one is being written share the next
+        # transaction (SQLite has one writer; one transaction per message made them queue)
+        self._publishes: Coalesced[tuple[dict[str, Any], int], tuple[int, bool]] = Coalesced(db, _publish_all)
+        self._acks: Coalesced[dict[str, Any], int] = Coalesced(db, _ack_all)
 
     # ------------------------------------------------------------------ publish
 
@@ -342,9 +403,9 @@ class EmbeddedBroker:
             "published_at_ms": now,
         }
         visible_at = now if message.deliver_at_ms is None else message.deliver_at_ms
-        message_id, stored = await self._store(self.db.run_write(_publish, values, visible_at), timeout_s)
+        message_id, stored = await self._store(self._publishes.submit((values, visible_at)), timeout_s)
         if stored:
-            self._wake()
+            self._wake(message.topic)
         return str(message_id)
 
     async def declare_group(self, topic: str, group: str, *, max_deliveries: int) -> None:
@@ -354,7 +415,7 @@ class EmbeddedBroker:
         if max_deliveries < 1:
             raise BrokerError("max_deliveries must be at least 1")
         await self._store(self.db.run_write(_declare, topic, group, max_deliveries, self._clock()))
-        self._wake()
+        self._wake(topic)
 
     # ------------------------------------------------------------------ consume
 
@@ -373,7 +434,8 @@ class EmbeddedBroker:
         while True:
             # Registered before looking: a publish meanwhile still wakes us.
             waiter = loop.create_future()
-            self._waiters.add(waiter)
+            waiters = self._waiters.setdefault(topic, set())
+            waiters.add(waiter)
             try:
                 now = self._clock()
                 # A read first: an idle group costs no write transaction (SQLite's one writer).
@@ -400,10 +462,10 @@ class EmbeddedBroker:
                     pause = min(pause, (due - now) / 1000)
                 await asyncio.wait([waiter], timeout=pause)
             finally:
-                self._waiters.discard(waiter)
+                waiters.discard(waiter)
 
     async def ack(self, delivery: Delivery) -> None:
-        await self._store(self.db.run_write(_execute, _ACK, _receipt_params(delivery)))
+        await self._store(self._acks.submit(_receipt_params(delivery)))
 
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         now = self._clock()
@@ -415,7 +477,7 @@ class EmbeddedBroker:
             "b_dead_reason": (reason or FAILED_REASON)[:LAST_ERROR_MAX_CHARS],
         }
         if await self._store(self.db.run_write(_nack, params)) and delay_s <= 0:
-            self._wake()
+            self._wake(delivery.topic)
 
     # ------------------------------------------------------------------ dead letters and stats
 
@@ -498,10 +560,13 @@ class EmbeddedBroker:
         if self._closed:
             raise BrokerUnavailable("embedded broker is closed")
 
-    def _wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+    def _wake(self, topic: str | None = None) -> None:
+        """Wake the fetches waiting on ``topic`` (all of them: None)."""
+        groups = self._waiters.values() if topic is None else [self._waiters.get(topic, set())]
+        for waiters in groups:
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def _store(self, call: Awaitable[T], timeout_s: float | None = None) -> T:
         """The database call, with "did not answer" as :class:`BrokerUnavailable`."""
@@ -552,6 +617,14 @@ def _publish(conn: Connection, values: dict[str, Any], visible_at_ms: int) -> tu
     if stored:
         conn.execute(_FAN_OUT, {"b_id": message_id, "b_topic": values["topic"], "b_visible": visible_at_ms})
     return message_id, stored
+
+
+def _publish_all(conn: Connection, messages: list[tuple[dict[str, Any], int]]) -> list[tuple[int, bool]]:
+    return [_publish(conn, values, visible_at_ms) for values, visible_at_ms in messages]
+
+
+def _ack_all(conn: Connection, receipts: list[dict[str, Any]]) -> list[int]:
+    return [conn.execute(_ACK, params).rowcount for params in receipts]
 
 
 def _declare(conn: Connection, topic: str, group: str, max_deliveries: int, now_ms: int) -> None:

@@ -1,0 +1,75 @@
+"""The embedded broker's shared write transactions: calls that arrive together are written together."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from sqlalchemy import Connection, text
+
+from roomservice.brokers.embedded import Coalesced
+from roomservice.store.database import Database
+
+
+async def test_calls_that_arrive_together_share_one_transaction_and_each_gets_its_result(
+    database: Database,
+) -> None:
+    batches: list[list[int]] = []
+
+    def unit(conn: Connection, items: list[int]) -> list[int]:
+        batches.append(list(items))
+        conn.execute(text("SELECT 1"))
+        return [item * 10 for item in items]
+
+    coalesced: Coalesced[int, int] = Coalesced(database, unit)
+    results = await asyncio.gather(*(coalesced.submit(i) for i in range(20)))
+    assert results == [i * 10 for i in range(20)]
+    assert batches == [list(range(20))]  # one transaction for all twenty
+    assert await coalesced.submit(7) == 70  # and the next call starts a new batch
+    assert batches[-1] == [7]
+
+
+async def test_a_failed_transaction_fails_every_call_of_its_batch_and_the_next_batch_runs(database: Database) -> None:
+    calls = 0
+
+    def unit(conn: Connection, items: list[int]) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("the transaction failed")
+        return items
+
+    coalesced: Coalesced[int, int] = Coalesced(database, unit)
+    outcomes = await asyncio.gather(*(coalesced.submit(i) for i in range(5)), return_exceptions=True)
+    assert all(isinstance(o, RuntimeError) for o in outcomes), outcomes
+    assert await coalesced.submit(3) == 3
+
+
+async def test_batches_are_bounded(database: Database) -> None:
+    sizes: list[int] = []
+
+    def unit(conn: Connection, items: list[int]) -> list[int]:
+        sizes.append(len(items))
+        return items
+
+    coalesced: Coalesced[int, int] = Coalesced(database, unit, max_batch=4)
+    assert await asyncio.gather(*(coalesced.submit(i) for i in range(10))) == list(range(10))
+    assert sizes == [4, 4, 2]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_caller_that_stops_waiting_leaves_the_others_answered(database: Database, n: int) -> None:
+    written: list[int] = []
+
+    def unit(conn: Connection, items: list[int]) -> list[int]:
+        written.extend(items)
+        return items
+
+    coalesced: Coalesced[int, int] = Coalesced(database, unit)
+    impatient = asyncio.ensure_future(coalesced.submit(-1))
+    patient = [asyncio.ensure_future(coalesced.submit(i)) for i in range(n)]
+    await asyncio.sleep(0)  # every call queued, the batch not written yet
+    impatient.cancel()
+    assert await asyncio.gather(*patient) == list(range(n))
+    assert impatient.cancelled()
+    assert written == [-1, *range(n)]  # its item was in the batch already: written, nobody told
