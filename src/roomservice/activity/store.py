@@ -40,6 +40,7 @@ from sqlalchemy.dialects import mysql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from roomservice.clock import wall_clock_ms
+from roomservice.coalesce import Coalesced, Failed
 from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened, dedup_id
 from roomservice.domain.state import utc_day
 from roomservice.store.database import Database
@@ -102,6 +103,9 @@ class TreasureReward:
     event_id: str
 
 
+_Effect = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]  # processed row, board rows, rewards
+
+
 class _AlreadyProcessed(Exception):
     """Raised inside the write unit to roll its transaction back."""
 
@@ -114,6 +118,8 @@ class ActivityStore:
         self.clock = clock
         self._upsert_board = _board_upsert(db.dialect_name)
         self._insert_rewards = db.insert_ignoring_duplicates(_reward)
+        # events handled together (the consumer group runs 8 at a time) share one write transaction
+        self._events: Coalesced[_Effect, None] = Coalesced(db, self._handle_all)
 
     async def handle(self, event: Event) -> bool:
         """Record ``event`` and apply its effect once; ``False`` if its event (its original, for
@@ -126,12 +132,23 @@ class ActivityStore:
         board_rows = _board_rows(event, now)
         reward_rows = _reward_rows(event, now)
         try:
-            await self.db.run_write(
-                _handle, processed, self._upsert_board, board_rows, self._insert_rewards, reward_rows
-            )
+            await self._events.submit((processed, board_rows, reward_rows))
         except _AlreadyProcessed:
             return False
         return True
+
+    def _handle_all(self, conn: Connection, items: list[_Effect]) -> list[Failed | None]:
+        """Several events in one transaction, each in its own savepoint: one processed already fails alone."""
+        outcomes: list[Failed | None] = []
+        for processed, board_rows, reward_rows in items:
+            try:
+                with conn.begin_nested():
+                    _handle(conn, processed, self._upsert_board, board_rows, self._insert_rewards, reward_rows)
+            except _AlreadyProcessed as exc:
+                outcomes.append(Failed(exc))
+            else:
+                outcomes.append(None)
+        return outcomes
 
     async def gift_leaderboard(
         self, app_code: str, room_id: str, *, day: int, board: Board, limit: int

@@ -50,7 +50,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -78,6 +78,7 @@ from roomservice.brokers.port import (
     OutgoingMessage,
 )
 from roomservice.clock import wall_clock_ms
+from roomservice.coalesce import Coalesced
 from roomservice.config import EmbeddedBrokerConfig
 from roomservice.observability.logging import get_logger
 from roomservice.store.database import Database, insert_or_ignore
@@ -85,8 +86,6 @@ from roomservice.store.port import StoreUnavailable
 from roomservice.store.tables import broker_delivery, broker_group, broker_message
 
 T = TypeVar("T")
-ItemT = TypeVar("ItemT")
-ResultT = TypeVar("ResultT")
 
 NAME_MAX_CHARS: Final = 128  # topic, group and key: ASCII (case-sensitive on MySQL)
 LABEL_MAX_CHARS: Final = 255  # tag and sharding key
@@ -297,61 +296,6 @@ _SQLITE_PURGE_MESSAGES: Final = text(
 _MYSQL_PURGE_MESSAGES: Final = text(
     "DELETE FROM broker_message WHERE " + _UNNEEDED.format(table="broker_message") + " ORDER BY id LIMIT :b_limit"
 )
-
-
-# --------------------------------------------------------------------------- shared write transactions
-
-
-class Coalesced(Generic[ItemT, ResultT]):
-    """Calls that arrive while the previous batch is being written go together into the next one.
-
-    ``unit(conn, items)`` runs a batch's items in order in ONE write transaction
-    and returns one result per item; every caller hears its own result only
-    after that transaction committed. If the transaction fails, every call of
-    the batch fails with the error (none of them committed). A caller that
-    stops waiting (a timeout) does not take its item out of a batch already
-    being written: as with a single write, its outcome is then unknown.
-    """
-
-    def __init__(
-        self, db: Database, unit: Callable[[Connection, list[ItemT]], list[ResultT]], *, max_batch: int = 256
-    ) -> None:
-        self._db = db
-        self._unit = unit
-        self._max_batch = max_batch
-        self._queue: list[tuple[ItemT, asyncio.Future[ResultT]]] = []
-        self._drainer: asyncio.Task[None] | None = None  # held so the task is not collected mid-run
-
-    async def submit(self, item: ItemT) -> ResultT:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[ResultT] = loop.create_future()
-        self._queue.append((item, future))
-        if self._drainer is None:
-            self._drainer = loop.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue[: self._max_batch], self._queue[self._max_batch :]
-                try:
-                    results = await self._db.run_write(self._unit, [item for item, _ in batch])
-                except BaseException as exc:  # the transaction failed: nobody's item committed
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    continue
-                for (_, future), result in zip(batch, results, strict=True):
-                    if not future.done():  # its caller may have stopped waiting
-                        future.set_result(result)
-        finally:
-            self._drainer = None
-            for _, future in self._queue:  # only after a cancellation (shutdown)
-                if not future.done():
-                    future.set_exception(StoreUnavailable("the embedded broker is shutting down"))
-            self._queue.clear()
 
 
 # --------------------------------------------------------------------------- the adapter

@@ -32,6 +32,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from roomservice.coalesce import Coalesced
 from roomservice.domain import events as e
 from roomservice.domain.routing import Target
 from roomservice.domain.state import CLOSED
@@ -71,6 +72,8 @@ class SentSteps:
         self.db = db  # the store the record lives in (the IM bridge reads the room's outbox rows there)
         self._clock = clock
         self._insert = db.insert_ignoring_duplicates(t.im_sent_event)
+        # records that arrive together (the IM bridge sends 8 at a time) share one write transaction
+        self._records: Coalesced[dict[str, object], None] = Coalesced(db, self._insert_all)
         self._select = sa.select(t.im_sent_event.c.operation).where(
             t.im_sent_event.c.event_id == sa.bindparam("event_id")
         )
@@ -83,6 +86,11 @@ class SentSteps:
         self._room = sa.select(meta.owner_id, meta.title, meta.status).where(
             meta.app_code == sa.bindparam("app_code"), meta.room_id == sa.bindparam("room_id")
         )
+
+    def _insert_all(self, conn: sa.Connection, rows: list[dict[str, object]]) -> list[None]:
+        for row in rows:
+            conn.execute(self._insert, row)
+        return [None] * len(rows)
 
     async def room(self, app_code: str, room_id: str) -> RoomOfGroup | None:
         """The room's owner, title and status; ``None``: no such room in the store."""
@@ -99,15 +107,11 @@ class SentSteps:
 
     async def record(self, event_id: str, group_id: str, step: str) -> None:
         row = {"event_id": event_id, "group_id": group_id, "operation": step, "sent_at_ms": self._clock()}
-        await self._db.run_write(_execute, self._insert, row)
+        await self._records.submit(row)
 
 
 def _rows(conn: sa.Connection, statement: sa.Executable, params: dict[str, object]) -> list[sa.Row[Any]]:
     return list(conn.execute(statement, params).all())
-
-
-def _execute(conn: sa.Connection, statement: sa.Executable, params: dict[str, object]) -> None:
-    conn.execute(statement, params)
 
 
 def message_data(event: e.Event) -> str:

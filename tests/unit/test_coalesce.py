@@ -1,4 +1,4 @@
-"""The embedded broker's shared write transactions: calls that arrive together are written together."""
+"""Shared write transactions (roomservice.coalesce): calls that arrive together are written together."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from sqlalchemy import Connection, text
 
-from roomservice.brokers.embedded import Coalesced
+from roomservice.coalesce import Coalesced
 from roomservice.store.database import Database
 
 
