@@ -9,7 +9,10 @@ figure:
   * ``JoinRoom`` commands over 100 rooms, then ``SendGift`` commands (each joined
     user sends one rose to the owner; a wallet debit per gift);
   * ratio = commands/s / the same server's /healthz req/s (targets: >= 0.5 with the
-    outbox worker off, >= 0.25 for the embedded default).
+    outbox worker off, >= 0.25 for the embedded default); beside it the server
+    process's own CPU time per request (all threads, from /proc), and the same
+    ratio in CPU (healthz's CPU per request / the command's), which a loaded
+    machine disturbs far less than rates.
 
 Servers:
   * ``worker-off``: SQLite, the outbox worker off, logging at info (one
@@ -132,8 +135,15 @@ def gifts(n: int, tag: str) -> list[Request]:
               "count": 1}) for i in range(n)]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process ``pid`` and all its threads so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(port: int, *, commands: int, concurrency: int, tag: str,
-                  on_phase: Callable[[str], None] = lambda _: None) -> dict[str, dict[str, Any]]:
+                  on_phase: Callable[[str], None] = lambda _: None,
+                  pid: int | None = None) -> dict[str, dict[str, Any]]:
     clients = [await KeepAliveClient.connect(port) for _ in range(concurrency)]
     try:
         for r in range(ROOMS):
@@ -145,7 +155,10 @@ async def measure(port: int, *, commands: int, concurrency: int, tag: str,
         for phase, requests in (("healthz", healthz(max(commands, 3_000))), ("join", joins(commands, tag)),
                                 ("gift", gifts(commands, tag))):
             on_phase(phase)
+            cpu = cpu_seconds(pid) if pid else 0.0
             out[phase] = await drive(clients, requests)
+            # the server's own CPU per request: much steadier than rates on a shared machine
+            out[phase]["cpu_us"] = (cpu_seconds(pid) - cpu) / len(requests) * 1e6 if pid else 0.0
         on_phase("done")
         return out
     finally:
@@ -199,19 +212,23 @@ def run_server(kind: str, *, commands: int, concurrency: int, round_: int, profi
             assert server.proc is not None
             profiler = Profiler(server.proc.pid, profile, f"{kind}-r{round_}")
             return asyncio.run(measure(server.port, commands=commands, concurrency=concurrency,
-                                       tag=f"r{round_}", on_phase=profiler.phase))
+                                       tag=f"r{round_}", on_phase=profiler.phase, pid=server.proc.pid))
         finally:
             server.stop()
 
 
 def report(kind: str, round_: int, figures: dict[str, dict[str, Any]], target: float) -> None:
     floor = figures["healthz"]["rate"]
-    parts = [f"healthz {floor:6.0f} req/s (p99 {percentile(figures['healthz']['latencies'], 0.99):.0f} ms)"]
+    floor_cpu = figures["healthz"]["cpu_us"]
+    parts = [f"healthz {floor:6.0f} req/s (p99 {percentile(figures['healthz']['latencies'], 0.99):.0f} ms, "
+             f"server CPU {floor_cpu:.0f} us/req)"]
     for phase in ("join", "gift"):
         f = figures[phase]
         lat = f["latencies"]
+        cpu_ratio = floor_cpu / f["cpu_us"] if f["cpu_us"] else 0.0
         parts.append(f"{phase} {f['rate']:5.0f} cmd/s = {f['rate'] / floor:.2f}x healthz "
-                     f"(p50 {percentile(lat, 0.5):.0f} / p99 {percentile(lat, 0.99):.0f} ms)")
+                     f"(p50 {percentile(lat, 0.5):.0f} / p99 {percentile(lat, 0.99):.0f} ms, "
+                     f"server CPU {f['cpu_us']:.0f} us/cmd = {cpu_ratio:.2f}x healthz's)")
         if f["failures"]:
             parts.append(f"{phase} FAILURES: {f['failures']}")
     print(f"[http/{kind}] round {round_}: " + "   ".join(parts) + f"   (target >= {target:.2f}x)", flush=True)
