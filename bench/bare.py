@@ -41,7 +41,8 @@ _META_UPDATE = (
 )
 _LOG_INSERT = (
     "INSERT INTO room_command_log (app_code, room_id, command_id, command_type, fingerprint, command, events, "
-    "response, version, now_ms, created_at_ms) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+    "response, version, now_ms, created_at_ms, timing) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, "
+    "{p})"
 )
 _OUTBOX_INSERT = (
     "INSERT INTO room_outbox (event_id, app_code, room_id, room_version, event_type, payload, status, targets_done, "
@@ -49,18 +50,22 @@ _OUTBOX_INSERT = (
 )
 
 
+Sizes = tuple[int, int, int, int, int]  # bytes of command, events, response, timing (log row), outbox payload
+
+
 def _sql(template: str, placeholder: str) -> str:
     return template.replace("{p}", placeholder)
 
 
 class WriteShape:
-    """The rows one JoinRoom writes, with the sizes the real run wrote (command, events, response, payload)."""
+    """The rows one JoinRoom writes, with the sizes the real run wrote (command, events, response, timing,
+    outbox payload)."""
 
-    def __init__(self, rooms: int, sizes: tuple[int, int, int, int]) -> None:
+    def __init__(self, rooms: int, sizes: Sizes) -> None:
         self.rooms, self.sizes = rooms, sizes
         self._versions = dict.fromkeys(range(self.rooms), 1)
-        command_len, events_len, response_len, payload_len = self.sizes
-        self._blobs = ("c" * command_len, "e" * events_len, "r" * response_len, b"p" * payload_len)
+        command_len, events_len, response_len, timing_len, payload_len = self.sizes
+        self._blobs = ("c" * command_len, "e" * events_len, "r" * response_len, "t" * timing_len, b"p" * payload_len)
 
     def meta_seed(self) -> list[tuple[Any, ...]]:
         return [(APP, f"room{r}", 1, 0, "owner", "b", "open", 8, 1, 0, 0, 0) for r in range(self.rooms)]
@@ -70,15 +75,16 @@ class WriteShape:
         version = self._versions[room]
         self._versions[room] = version + 1
         now = time.time_ns() // 1_000_000
-        command, events, response, payload = self._blobs
+        command, events, response, timing, payload = self._blobs
         room_id = f"room{room}"
         meta = (version + 1, "open", "b", version, 0, now, APP, room_id, version, 0)
-        log = (APP, room_id, f"join-{i}", "JoinRoom", "f" * 64, command, events, response, version + 1, now, now)
+        log = (APP, room_id, f"join-{i}", "JoinRoom", "f" * 64, command, events, response, version + 1, now, now,
+               timing)
         outbox = (f"ev-{i}", APP, room_id, version + 1, "RoomUserJoined", payload, "pending", "", now, now, now)
         return meta, log, outbox
 
 
-async def write_rate(url: str, *, commands: int, sizes: tuple[int, int, int, int], concurrency: int,
+async def write_rate(url: str, *, commands: int, sizes: Sizes, concurrency: int,
                      rooms: int) -> dict[str, Any]:
     """Transactions/s and per-transaction latencies (ms) of the bare driver; ``url`` holds the migrated schema."""
     shape = WriteShape(rooms, sizes)

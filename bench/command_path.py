@@ -84,6 +84,7 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
                             sa.func.avg(sa.func.length(t.room_command_log.c.command)),
                             sa.func.avg(sa.func.length(t.room_command_log.c.events)),
                             sa.func.avg(sa.func.length(t.room_command_log.c.response)),
+                            sa.func.avg(sa.func.length(t.room_command_log.c.timing)),
                             sa.select(sa.func.avg(sa.func.length(t.room_outbox.c.payload))).scalar_subquery(),
                         ).where(t.room_command_log.c.command_type == "JoinRoom")
                     )
@@ -92,7 +93,7 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
     return {
         "cps": commands / elapsed,
         "latencies": latencies,
-        "sizes": [int(float(x)) for x in sizes],
+        "sizes": [int(float(x or 0)) for x in sizes],
         "load": loaded,
     }
 
@@ -119,7 +120,7 @@ async def sqlalchemy_run(url: str, commands: int, sizes: list[int]) -> dict[str,
     db = Database.from_url(url, pool_size=CONCURRENCY, max_overflow=8)
     try:
         await upgrade(db)
-        shape = WriteShape(ROOMS, (sizes[0], sizes[1], sizes[2], sizes[3]))
+        shape = WriteShape(ROOMS, (sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]))
         meta_keys = ("version", "status", "title", "member_count", "heat", "updated_at_ms",
                      "b_app", "b_room", "b_version", "b_epoch")
         log_keys = [col.name for col in t.room_command_log.c if col.name != "id"]
@@ -168,7 +169,7 @@ async def bare_run(url: str, commands: int, sizes: list[int], concurrency: int =
         await upgrade(db)
     finally:
         await db.dispose()
-    return await bare.write_rate(url, commands=commands, sizes=(sizes[0], sizes[1], sizes[2], sizes[3]),
+    return await bare.write_rate(url, commands=commands, sizes=(sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]),
                                  concurrency=concurrency, rooms=ROOMS)
 
 
@@ -212,7 +213,7 @@ def report(backend: str, svc: dict[str, Any], bare_: dict[str, Any], orm: dict[s
               f"{svc['cps'] / orm['cps']:.2f}x of it)", flush=True)
     print(f"[{backend}] command latency: {describe(svc['latencies'])}")
     print(f"[{backend}] bare latency: {describe(bare_['latencies'])}")
-    print(f"[{backend}] row sizes (command, events, response, outbox payload bytes): {svc['sizes']}")
+    print(f"[{backend}] row sizes (command, events, response, timing, outbox payload bytes): {svc['sizes']}")
     load = svc.get("load")
     if load:
         print(f"[{backend}] Room Cell load (snapshot + {int(load['log_rows'])} log rows): "
