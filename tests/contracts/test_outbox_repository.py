@@ -26,6 +26,7 @@ from roomservice.outbox.sql import (
     SqlOutboxRepository,
 )
 from roomservice.store.database import Database
+from roomservice.store.port import StoreUnavailable
 from roomservice.store.tables import room_outbox
 
 T0 = 1_780_000_000_000
@@ -537,3 +538,57 @@ def test_mysql_claim_select_compiles_with_skip_locked(dialect: sa.Dialect, state
     assert "WHERE room_outbox.status = %s" in sql
     assert "ORDER BY room_outbox.due_at_ms LIMIT %s" in sql
     assert " OR " not in sql.upper()
+
+
+async def test_finish_and_claim_finishes_then_claims_the_next_rows_in_one_transaction(
+    database: Database, repo: SqlOutboxRepository
+) -> None:
+    first = await insert(database, pending(), pending())
+    claimed = await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=10)
+    assert [r.id for r in claimed] == first
+    later = await insert(database, pending(), pending(), pending())
+    retry = RetryDecision(first[1], "", failed=False, next_retry_at_ms=NOW + 5_000, last_error="boom")
+
+    changed, nxt = await repo.finish_and_claim(
+        owner="w",
+        now_ms=NOW + 10,
+        delivered=[Delivered(first[0], "im")],
+        retries=[retry],
+        lock_ms=LOCK_MS,
+        limit=2,
+    )
+
+    assert changed == 2
+    assert [r.id for r in nxt] == later[:2]  # the new rows, not the ones it just finished
+    assert {(r.lock_owner, r.lock_until_ms) for r in nxt} == {("w", NOW + 10 + LOCK_MS)}
+    assert (await fetch(database, first[0]))["status"] == "delivered"
+    assert (await fetch(database, first[1]))["status"] == "retryable"
+    assert [(await fetch(database, i))["status"] for i in later] == ["delivering", "delivering", "pending"]
+
+
+async def test_finish_and_claim_is_all_or_nothing(database: Database, repo: SqlOutboxRepository) -> None:
+    (row_id,) = await insert(database, pending())
+    await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=10)
+    waiting = await insert(database, pending())
+    before = [await fetch(database, i) for i in (row_id, *waiting)]
+
+    with pytest.raises(ValueError, match="limit"):  # refused before anything runs
+        await repo.finish_and_claim(
+            owner="w", now_ms=NOW, delivered=[Delivered(row_id, "im")], retries=[], lock_ms=LOCK_MS, limit=0
+        )
+    # a claim that fails inside the transaction takes the finish down with it
+    engine = database._sync_engine or database.engine.sync_engine
+
+    def refuse_claims(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "SKIP LOCKED" in statement or "RETURNING" in statement:
+            raise sa.exc.OperationalError(statement, {}, Exception("claim failed"))
+
+    sa.event.listen(engine, "before_cursor_execute", refuse_claims)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await repo.finish_and_claim(
+                owner="w", now_ms=NOW, delivered=[Delivered(row_id, "im")], retries=[], lock_ms=LOCK_MS, limit=5
+            )
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", refuse_claims)
+    assert [await fetch(database, i) for i in (row_id, *waiting)] == before

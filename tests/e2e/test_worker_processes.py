@@ -116,7 +116,10 @@ async def test_four_workers_drain_twenty_thousand_rows(tmp_path: Path, fresh_mar
     total = 20_000
     await seed(fresh_mariadb_url, total)
     log = tmp_path / "deliveries.log"
-    workers = [start_worker(fresh_mariadb_url, f"w{i}", log) for i in range(4)]
+    # all four claim from the same instant: one started first could drain everything alone
+    workers = [start_worker(fresh_mariadb_url, f"w{i}", log, "--start-on-sigusr1") for i in range(4)]
+    for proc in workers:
+        proc.send_signal(signal.SIGUSR1)
     try:
         counts = await wait_until_delivered(fresh_mariadb_url, total, timeout_s=240)
     finally:

@@ -59,6 +59,7 @@ async def main() -> None:
     parser.add_argument("--batch", type=int, default=200)
     parser.add_argument("--lock-s", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--start-on-sigusr1", action="store_true", help="claim nothing before SIGUSR1")
     args = parser.parse_args()
     db = Database.from_url(args.url, pool_size=4, max_overflow=2)
     worker = RecordingWorker(
@@ -81,9 +82,15 @@ async def main() -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     log = open(args.log, "a", buffering=1) if args.log else None  # noqa: SIM115 - closed below
     worker.log = log
+    go = asyncio.Event()
+    loop.add_signal_handler(signal.SIGUSR1, go.set)
     try:
-        async with worker:
+        if args.start_on_sigusr1:  # several workers can then start claiming at one instant
             print("ready", flush=True)
+            await go.wait()
+        async with worker:
+            if not args.start_on_sigusr1:
+                print("ready", flush=True)
             await stop.wait()
     finally:
         if log is not None:

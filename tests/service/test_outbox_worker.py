@@ -439,6 +439,16 @@ class FlakyRepository:
             raise StoreUnavailable("database call exceeded its deadline")
         return await self.inner.finish(**kwargs)  # type: ignore[arg-type]
 
+    async def finish_and_claim(self, **kwargs: object) -> tuple[int, list[object]]:
+        if self.fail_finish:  # the finish's transaction fails, so does the claim that rides on it
+            self.fail_finish -= 1
+            raise StoreUnavailable("database call exceeded its deadline")
+        changed, rows = await self.inner.finish_and_claim(**kwargs)  # type: ignore[arg-type]
+        if self.claim_then_fail:
+            self.claim_then_fail -= 1
+            raise StoreUnavailable("database call exceeded its deadline")
+        return changed, rows  # type: ignore[return-value]
+
 
 async def test_a_finish_that_failed_is_written_next_cycle_without_publishing_again(
     database: Database, make_worker: WorkerFactory, im: FakePublisher

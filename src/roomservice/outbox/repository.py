@@ -49,6 +49,26 @@ class OutboxRepository(Protocol):
         A finished row's ``due_at_ms`` (the claim key) becomes the time it finished."""
         ...
 
+    async def finish_and_claim(
+        self,
+        *,
+        owner: str,
+        now_ms: int,
+        delivered: list[Delivered],
+        retries: list[RetryDecision],
+        lock_ms: int,
+        limit: int,
+        pending_only: bool = False,
+    ) -> tuple[int, list[ClaimedRow]]:
+        """:meth:`finish` then :meth:`claim_due` in ONE transaction: (rows finished, rows claimed).
+
+        The worker's next claim rides on its previous finish: one transaction a batch under
+        load instead of two. Both commit or neither does; the finished rows are no longer
+        ``delivering`` when the claim looks, so none of them is claimed again by it unless
+        it is due again (a retry without backoff).
+        """
+        ...
+
     async def extend(self, *, owner: str, row_ids: list[int], now_ms: int, lock_ms: int) -> int:
         """Extend the claims ``owner`` still holds among ``row_ids`` to ``now_ms + lock_ms``
         (a batch that runs long keeps its rows). Returns how many it still held."""

@@ -261,61 +261,38 @@ class SqlOutboxRepository:
     async def claim_due(
         self, *, owner: str, now_ms: int, lock_ms: int, limit: int, pending_only: bool = False
     ) -> list[ClaimedRow]:
-        if limit < 1:
-            raise ValueError("limit must be at least 1")
-        if lock_ms < 1:
-            raise ValueError("lock_ms must be at least 1")
-        until = now_ms + lock_ms
-        params = {"b_owner": owner, "b_now": now_ms, "b_until": until, "b_limit": limit}
-        if self.db.is_sqlite:  # one statement claims every kind anyway
-            rows = await self.db.run_write(_claim_sqlite, params)
-        else:  # a wake-up cycle saves the two SELECTs for retryable and expired rows
-            rows = await self.db.run_write(_claim_mysql, params, pending_only)
-        claimed = [
-            ClaimedRow(
-                id=r.id,
-                event_id=r.event_id,
-                app_code=r.app_code,
-                room_id=r.room_id,
-                room_version=r.room_version,
-                event_type=r.event_type,
-                payload=bytes(r.payload),
-                retry_count=r.retry_count,
-                targets_done=parse_targets(r.targets_done),
-                lock_owner=owner,
-                lock_until_ms=until,
-                created_at_ms=r.created_at_ms,
-                trace_context=r.trace_context,
-            )
-            for r in rows
-        ]
-        claimed.sort(key=lambda row: row.id)
-        return claimed
+        params = _claim_params(owner=owner, now_ms=now_ms, lock_ms=lock_ms, limit=limit)
+        rows = await self.db.run_write(self._claim_unit, params, pending_only)
+        return _claimed_rows(rows, owner=owner, until=params["b_until"])
+
+    async def finish_and_claim(
+        self,
+        *,
+        owner: str,
+        now_ms: int,
+        delivered: list[Delivered],
+        retries: list[RetryDecision],
+        lock_ms: int,
+        limit: int,
+        pending_only: bool = False,
+    ) -> tuple[int, list[ClaimedRow]]:
+        params = _claim_params(owner=owner, now_ms=now_ms, lock_ms=lock_ms, limit=limit)
+        delivered_params, retry_params = _finish_params(owner, now_ms, delivered, retries)
+        changed, rows = await self.db.run_write(
+            _finish_then_claim, self._claim_unit, delivered_params, retry_params, params, pending_only
+        )
+        return changed, _claimed_rows(rows, owner=owner, until=params["b_until"])
+
+    @property
+    def _claim_unit(self) -> Any:
+        # SQLite: one statement claims every kind anyway; MySQL: a wake-up cycle saves the
+        # two SELECTs for retryable and expired rows
+        return _claim_sqlite if self.db.is_sqlite else _claim_mysql
 
     async def finish(self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]) -> int:
         if not delivered and not retries:
             return 0
-        # Rows of one batch mostly share their targets: one UPDATE per distinct set.
-        delivered_groups: dict[str, list[int]] = {}
-        for d in delivered:
-            delivered_groups.setdefault(d.targets_done, []).append(d.row_id)
-        delivered_params = [
-            {"b_owner": owner, "b_now": now_ms, "b_targets": targets, "b_ids": ids}
-            for targets, ids in delivered_groups.items()
-        ]
-        retry_params = [
-            {
-                "b_owner": owner,
-                "b_now": now_ms,
-                "b_id": r.row_id,
-                "b_status": _FAILED if r.failed else _RETRYABLE,
-                "b_next": None if r.failed else r.next_retry_at_ms,
-                "b_due": now_ms if r.failed else r.next_retry_at_ms,
-                "b_error": r.last_error[:LAST_ERROR_MAX_CHARS],
-                "b_targets": r.targets_done,
-            }
-            for r in retries
-        ]
+        delivered_params, retry_params = _finish_params(owner, now_ms, delivered, retries)
         return await self.db.run_write(_finish, delivered_params, retry_params)
 
     async def extend(self, *, owner: str, row_ids: list[int], now_ms: int, lock_ms: int) -> int:
@@ -351,11 +328,71 @@ class SqlOutboxRepository:
         return await self.db.run_write(_delete_delivered, statements, before_ms, limit)
 
 
+# --------------------------------------------------------------------------- parameters and rows
+
+
+def _claim_params(*, owner: str, now_ms: int, lock_ms: int, limit: int) -> dict[str, Any]:
+    if limit < 1:
+        raise ValueError("limit must be at least 1")
+    if lock_ms < 1:
+        raise ValueError("lock_ms must be at least 1")
+    return {"b_owner": owner, "b_now": now_ms, "b_until": now_ms + lock_ms, "b_limit": limit}
+
+
+def _claimed_rows(rows: Sequence[Row[Any]], *, owner: str, until: int) -> list[ClaimedRow]:
+    claimed = [
+        ClaimedRow(
+            id=r.id,
+            event_id=r.event_id,
+            app_code=r.app_code,
+            room_id=r.room_id,
+            room_version=r.room_version,
+            event_type=r.event_type,
+            payload=bytes(r.payload),
+            retry_count=r.retry_count,
+            targets_done=parse_targets(r.targets_done),
+            lock_owner=owner,
+            lock_until_ms=until,
+            created_at_ms=r.created_at_ms,
+        )
+        for r in rows
+    ]
+    claimed.sort(key=lambda row: row.id)
+    return claimed
+
+
+def _finish_params(
+    owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # Rows of one batch mostly share their targets: one UPDATE per distinct set.
+    delivered_groups: dict[str, list[int]] = {}
+    for d in delivered:
+        delivered_groups.setdefault(d.targets_done, []).append(d.row_id)
+    delivered_params = [
+        {"b_owner": owner, "b_now": now_ms, "b_targets": targets, "b_ids": ids}
+        for targets, ids in delivered_groups.items()
+    ]
+    retry_params = [
+        {
+            "b_owner": owner,
+            "b_now": now_ms,
+            "b_id": r.row_id,
+            "b_status": _FAILED if r.failed else _RETRYABLE,
+            "b_next": None if r.failed else r.next_retry_at_ms,
+            "b_due": now_ms if r.failed else r.next_retry_at_ms,
+            "b_error": r.last_error[:LAST_ERROR_MAX_CHARS],
+            "b_targets": r.targets_done,
+        }
+        for r in retries
+    ]
+    return delivered_params, retry_params
+
+
 # --------------------------------------------------------------------------- transaction units
 # Plain synchronous functions of a Connection, run by Database.run_write.
 
 
-def _claim_mysql(conn: Connection, params: dict[str, Any], pending_only: bool) -> list[Row[Any]]:
+def _claim_mysql(conn: Connection, params: dict[str, Any], pending_only: bool = False) -> list[Row[Any]]:
     limit: int = params["b_limit"]
     rows: list[Row[Any]] = []
     steps = _MYSQL_CLAIM_STEPS[:1] if pending_only else _MYSQL_CLAIM_STEPS
@@ -369,8 +406,20 @@ def _claim_mysql(conn: Connection, params: dict[str, Any], pending_only: bool) -
     return rows
 
 
-def _claim_sqlite(conn: Connection, params: dict[str, Any]) -> Sequence[Row[Any]]:
+def _claim_sqlite(conn: Connection, params: dict[str, Any], _pending_only: bool = False) -> Sequence[Row[Any]]:
     return conn.execute(SQLITE_CLAIM, params).all()
+
+
+def _finish_then_claim(
+    conn: Connection,
+    claim: Any,
+    delivered: list[dict[str, Any]],
+    retries: list[dict[str, Any]],
+    params: dict[str, Any],
+    pending_only: bool,
+) -> tuple[int, Sequence[Row[Any]]]:
+    changed = _finish(conn, delivered, retries)
+    return changed, claim(conn, params, pending_only)
 
 
 def _finish(conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:

@@ -2,7 +2,11 @@
 
     claim (one short transaction) -> publish (rooms concurrently, each room's rows in
     version order), each attempt bounded by publish_timeout -> finish (one transaction,
-    every write guarded by the claim)
+    every write guarded by the claim) + the next claim, in that same transaction
+
+Under load a batch costs one transaction, not two: the finish of one batch carries
+the claim of the next (``finish_and_claim``); a claim runs alone only when the last
+finish found nothing, failed, or the worker is stopping.
 
 No transaction is open while publishing. A commit wakes the worker at once
 (``wake()``); ``poll_interval`` is only the fallback for rows committed by other
@@ -167,6 +171,7 @@ class OutboxWorker:
         self._unfinished: _Finish | None = None  # a finish whose write failed: retried first
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
         self._needed: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {}  # targets still to reach, sorted
+        self._carried: list[ClaimedRow] | None = None  # claimed by the last finish, published next cycle
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -225,8 +230,8 @@ class OutboxWorker:
             self._beat()
             if self._stopping:
                 break
-            if taken >= self.options.batch_size or self._wakeup.is_set():
-                continue  # more may be waiting, or someone committed while we worked
+            if taken >= self.options.batch_size or self._wakeup.is_set() or self._carried:
+                continue  # more may be waiting, the last finish claimed some, or someone committed meanwhile
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=self.options.poll_interval_s)
         _log.info("outbox_worker_stopped", owner=self.owner)
@@ -262,19 +267,21 @@ class OutboxWorker:
         ``pending_only`` (a hint to the repository) skips looking for due retryable
         and expired rows: for cycles started by a commit's wake-up.
         """
-        await self._settle()
-        if not pending_only:
-            self._last_full_claim = time.monotonic()
-        self._may_hold_claims = True  # until this cycle's claims are finished (or none were taken)
-        rows = await self.repository.claim_due(
-            owner=self.owner,
-            now_ms=self.clock(),
-            lock_ms=self.options.lock_ms,
-            limit=self.options.batch_size,
-            pending_only=pending_only,
-        )
-        self._beat()
-        OUTBOX_CLAIM_BATCH.observe(len(rows))
+        rows, self._carried = self._carried, None
+        if rows is None:  # nothing claimed by the last finish: claim on its own
+            await self._settle()
+            if not pending_only:
+                self._last_full_claim = time.monotonic()
+            self._may_hold_claims = True  # until this cycle's claims are finished (or none were taken)
+            rows = await self.repository.claim_due(
+                owner=self.owner,
+                now_ms=self.clock(),
+                lock_ms=self.options.lock_ms,
+                limit=self.options.batch_size,
+                pending_only=pending_only,
+            )
+            self._beat()
+            OUTBOX_CLAIM_BATCH.observe(len(rows))
         if not rows:
             self._may_hold_claims = False
             return 0
@@ -311,9 +318,33 @@ class OutboxWorker:
         return len(rows)
 
     async def _finish(self, outcomes: list[Outcome]) -> None:
-        """Decide how each row ends and write it; a write that fails is retried next cycle."""
-        self._unfinished = self._decide(outcomes)
-        await self._settle()
+        """Decide how each row ends and write it, claiming the next batch in the same
+        transaction; a write that fails is retried (finish alone) next cycle."""
+        decided = self._unfinished = self._decide(outcomes)
+        if self._stopping:  # no new claims while stopping
+            await self._settle()
+            return
+        full = time.monotonic() - self._last_full_claim >= FULL_CLAIM_EVERY_S
+        if full:
+            self._last_full_claim = time.monotonic()
+        # The claim may commit and its answer be lost: until it is known, rows may be held.
+        self._may_hold_claims = True
+        changed, rows = await self.repository.finish_and_claim(
+            owner=self.owner,
+            now_ms=decided.now_ms,
+            delivered=decided.delivered,
+            retries=decided.retries,
+            lock_ms=self.options.lock_ms,
+            limit=self.options.batch_size,
+            pending_only=not full,
+        )
+        self._unfinished = None
+        self._beat()
+        OUTBOX_CLAIM_BATCH.observe(len(rows))
+        if changed < decided.rows:
+            _log.warning("outbox_claims_lost", owner=self.owner, expected=decided.rows, changed=changed)
+        self._may_hold_claims = bool(rows)
+        self._carried = rows or None
 
     async def _settle(self) -> None:
         """Write a finish that failed earlier, then hand back claims a failed cycle may have left."""

@@ -1,0 +1,241 @@
+"""The worker's next claim rides on its previous finish (``finish_and_claim``): a property test
+that, whatever the interleaving of two workers, publish failures and database failures around
+the folded transaction, no row is held by two workers, no row is delivered twice and no
+finish is lost (every row ends delivered, none stays claimed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.service.conftest import T0, Clock
+
+from roomservice.domain import events as e
+from roomservice.domain.events import Event
+from roomservice.outbox.model import PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.port import PublisherSet, RetryableError
+from roomservice.store import tables as t
+from roomservice.store.database import Database
+from roomservice.store.migrate import upgrade
+from roomservice.store.port import StoreUnavailable
+from roomservice.wire import encode_event
+
+BATCH = 3
+
+
+class CountingPublisher:
+    """Succeeds unless told to fail the next few publishes; counts each successful publish."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.fail_next = 0
+        self.successes: Counter[str] = Counter()
+
+    async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RetryableError(f"{self.name} failed transiently")
+        self.successes[event.event_id] += 1
+
+
+class FailingAroundCommit:
+    """The real repository; ``finish_and_claim`` may fail before its transaction (nothing
+    written) or after its COMMIT (written, the answer lost), as a deadline can."""
+
+    def __init__(self, inner: SqlOutboxRepository) -> None:
+        self.inner = inner
+        self.fail: str | None = None  # "before" | "after"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def finish_and_claim(self, **kwargs: Any) -> tuple[int, list[Any]]:
+        fail, self.fail = self.fail, None
+        if fail == "before":
+            raise StoreUnavailable("database call exceeded its deadline")
+        answer = await self.inner.finish_and_claim(**kwargs)
+        if fail == "after":
+            raise StoreUnavailable("database call exceeded its deadline")
+        return answer
+
+
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(1, 5)),
+        st.tuples(st.just("cycle"), st.integers(0, 1)),
+        st.tuples(st.just("publish_fails"), st.integers(1, 3)),
+        st.tuples(st.just("finish_fails"), st.integers(0, 1), st.sampled_from(["before", "after"])),
+        st.tuples(st.just("advance"), st.integers(500, 2_500)),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+async def _scenario(script: list[tuple[Any, ...]], path: Path) -> None:
+    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    try:
+        await upgrade(db)
+        clock = Clock()
+        publisher = CountingPublisher("im")
+        repositories = [FailingAroundCommit(SqlOutboxRepository(db)) for _ in range(2)]
+        workers = [
+            OutboxWorker(
+                repository=repo,  # type: ignore[arg-type]
+                publishers=PublisherSet({"im": publisher}),
+                policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=100, jitter=0),
+                options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH, lock_timeout_s=600),
+                clock=clock,
+                owner=f"w{n}",
+            )
+            for n, repo in enumerate(repositories)
+        ]
+        events: list[str] = []
+
+        async def check_claims() -> None:
+            """Rows a worker carries into its next cycle are claimed by it, and by it alone."""
+            async with db.read() as conn:
+                owners = dict((await conn.execute(sa.select(t.room_outbox.c.id, t.room_outbox.c.lock_owner))).all())
+            for worker in workers:
+                for carried in worker._carried or []:
+                    assert owners[carried.id] == worker.owner
+
+        async def cycle(worker: OutboxWorker) -> None:
+            with contextlib.suppress(StoreUnavailable):  # the loop backs off; the next cycle writes
+                await worker.run_once()  # the finish and hands the claims back
+            await check_claims()
+
+        for step in script:
+            if step[0] == "insert":
+                batch = [
+                    Event(
+                        uuid.uuid4().hex, "demo", f"r{len(events) + i}", 1, clock(), e.RoomMicLeft(user_id="u", seat=1)
+                    )
+                    for i in range(step[1])
+                ]
+                events.extend(ev.event_id for ev in batch)
+                async with db.write() as conn:
+                    await conn.execute(
+                        sa.insert(t.room_outbox),
+                        [
+                            dict(
+                                event_id=ev.event_id,
+                                app_code="demo",
+                                room_id=ev.room_id,
+                                room_version=1,
+                                event_type=ev.type,
+                                payload=encode_event(ev),
+                                status="pending",
+                                retry_count=0,
+                                targets_done="",
+                                due_at_ms=clock(),
+                                created_at_ms=clock(),
+                                updated_at_ms=clock(),
+                            )
+                            for ev in batch
+                        ],
+                    )
+            elif step[0] == "cycle":
+                await cycle(workers[step[1]])
+            elif step[0] == "publish_fails":
+                publisher.fail_next = step[1]
+            elif step[0] == "finish_fails":
+                repositories[step[1]].fail = step[2]
+            else:
+                clock.advance(step[1])
+
+        # drain: no more failures, time moves on past any backoff
+        publisher.fail_next = 0
+        for repo in repositories:
+            repo.fail = None
+        for _ in range(4 * len(events) + 8):
+            clock.advance(2_500)
+            for worker in workers:
+                await cycle(worker)
+        async with db.read() as conn:
+            statuses = dict((await conn.execute(sa.select(t.room_outbox.c.event_id, t.room_outbox.c.status))).all())
+        assert statuses == dict.fromkeys(events, "delivered")  # no finish lost, nothing left claimed
+        assert publisher.successes == Counter(dict.fromkeys(events, 1))  # none delivered twice
+    finally:
+        await db.dispose()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=steps)
+def test_folded_claims_never_double_deliver_or_lose_a_finish(script: list[tuple[Any, ...]]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(_scenario(script, Path(tmp) / "outbox.db"))
+
+
+def test_a_folded_claim_carries_the_next_batch_in_the_finish_transaction() -> None:
+    """Under load a batch costs one write transaction: claim, then finish + claim, ..."""
+
+    async def scenario(path: Path) -> None:
+        db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+        try:
+            await upgrade(db)
+            clock = Clock(T0)
+            repo = SqlOutboxRepository(db)
+            calls: Counter[str] = Counter()
+            for name in ("claim_due", "finish", "finish_and_claim"):
+                method = getattr(repo, name)
+
+                async def counted(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+                    calls[_name] += 1
+                    return await _method(*args, **kwargs)
+
+                setattr(repo, name, counted)
+            publisher = CountingPublisher("im")
+            worker = OutboxWorker(
+                repository=repo,
+                publishers=PublisherSet({"im": publisher}),
+                policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=3, jitter=0),
+                options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH),
+                clock=clock,
+            )
+            batch = [
+                Event(uuid.uuid4().hex, "demo", f"r{i}", 1, T0, e.RoomMicLeft(user_id="u", seat=1)) for i in range(10)
+            ]
+            async with db.write() as conn:
+                await conn.execute(
+                    sa.insert(t.room_outbox),
+                    [
+                        dict(
+                            event_id=ev.event_id,
+                            app_code="demo",
+                            room_id=ev.room_id,
+                            room_version=1,
+                            event_type=ev.type,
+                            payload=encode_event(ev),
+                            status="pending",
+                            retry_count=0,
+                            targets_done="",
+                            due_at_ms=T0,
+                            created_at_ms=T0,
+                            updated_at_ms=T0,
+                        )
+                        for ev in batch
+                    ],
+                )
+            taken = [await worker.run_once() for _ in range(5)]
+            assert taken == [3, 3, 3, 1, 0]
+            # one claim alone, then each batch's finish claimed the next (the fourth found none;
+            # the fifth cycle claimed alone and found nothing)
+            assert calls == Counter({"claim_due": 2, "finish_and_claim": 4})
+            assert publisher.successes == Counter({ev.event_id: 1 for ev in batch})
+        finally:
+            await db.dispose()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(scenario(Path(tmp) / "outbox.db"))
