@@ -292,6 +292,13 @@ class OutboxRowView:
     updated_at_ms: int
     delivered_at_ms: int | None
     age_ms: int  # now - created_at_ms
+    trace_context: str | None = None  # the committing command's W3C traceparent (tracing on)
+
+    @property
+    def trace_id(self) -> str | None:
+        """The trace to look up in the tracing backend (docs/tracing.md), from ``trace_context``."""
+        parts = (self.trace_context or "").split("-")
+        return parts[1] if len(parts) == 4 else None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -314,6 +321,7 @@ class OutboxRowView:
             "updated_at_ms": self.updated_at_ms,
             "delivered_at_ms": self.delivered_at_ms,
             "age_ms": self.age_ms,
+            "trace_context": self.trace_context,
         }
 
 
@@ -866,6 +874,7 @@ def _repair(
                 "due_at_ms": now_ms,
                 "created_at_ms": now_ms,
                 "updated_at_ms": now_ms,
+                "trace_context": r.trace_context,  # the repair's delivery joins the original's trace
             }
         )
         audits.append(
@@ -960,6 +969,7 @@ def _view(r: _AnyRow, now_ms: int) -> OutboxRowView:
         updated_at_ms=int(r.updated_at_ms),
         delivered_at_ms=_opt_int(r.delivered_at_ms),
         age_ms=max(0, now_ms - int(r.created_at_ms)),
+        trace_context=r.trace_context,
     )
 
 
