@@ -354,6 +354,7 @@ def _claimed_rows(rows: Sequence[Row[Any]], *, owner: str, until: int) -> list[C
             lock_owner=owner,
             lock_until_ms=until,
             created_at_ms=r.created_at_ms,
+            trace_context=r.trace_context,
         )
         for r in rows
     ]
