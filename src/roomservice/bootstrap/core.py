@@ -7,7 +7,7 @@ from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 from roomservice import errors
 from roomservice.config import Settings
@@ -18,6 +18,9 @@ from roomservice.store.database import Database
 _log = get_logger("roomservice.bootstrap")
 
 Check = Callable[[], Coroutine[Any, Any, None]]
+
+RECANCEL_AFTER_S: Final = 1.0  # a task cancelled this long ago and still running lost its cancel (cancel_tasks)
+GIVE_UP_AFTER_S: Final = 5.0  # stopping goes on without a task that outlives this (logged)
 
 
 class PartNotRunning(errors.Unavailable):
@@ -41,10 +44,37 @@ class Core:
         task.add_done_callback(_report_crash)
         self.tasks.append(task)
 
-    async def cancel_tasks(self) -> None:
-        for task in self.tasks:
+    async def cancel_tasks(
+        self, *, recancel_after_s: float = RECANCEL_AFTER_S, give_up_after_s: float = GIVE_UP_AFTER_S
+    ) -> None:
+        """Cancel every background task and wait for them to end.
+
+        On Python 3.11 a cancellation can be lost: ``asyncio.wait_for`` returns the
+        awaited result when the cancel arrives in the same loop iteration as that
+        result (CPython gh-86296, fixed in 3.12 by rebuilding ``wait_for`` on
+        ``asyncio.timeout``), and asyncmy reads every MariaDB reply through
+        ``wait_for`` when a read timeout is set, as ours is. A loop cancelled inside
+        a database call then goes on to its next sleep as if never asked to stop
+        (a maintenance sweep sleeps 60 s, and did: a worker stopped right after
+        starting hung). So a task still running ``recancel_after_s`` after the
+        cancel is cancelled again, every ``recancel_after_s``; one still running
+        after ``give_up_after_s`` is logged and left behind, and stopping goes on.
+        """
+        pending = set(self.tasks)
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + give_up_after_s
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=max(0.0, min(recancel_after_s, give_up_at - loop.time())))
+            if not pending:
+                break
+            if loop.time() >= give_up_at:
+                _log.warning("background_tasks_not_stopped", tasks=sorted(t.get_name() for t in pending))
+                break
+            _log.info("background_tasks_cancelled_again", tasks=sorted(t.get_name() for t in pending))
+            for task in pending:
+                task.cancel()
         self.tasks.clear()
 
 
