@@ -17,17 +17,13 @@ a redis-server and one shared ``room-service im-sandbox`` of its own).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +32,17 @@ import grpc.aio
 import httpx
 import nats
 import pytest
-import redis
+from tests.e2e.cluster import (
+    APP,
+    SECRET,
+    SHARED_NATS,
+    SHARED_REDIS,
+    Stream,
+    cluster_config,
+    nats_stream,
+    owner_address,
+    redis_prefix,
+)
 from tests.e2e.server import ServerProcess, free_port
 from tests.nats_server import OwnNatsServer
 from tests.redis_server import OwnRedisServer
@@ -49,57 +55,8 @@ from roomservice.proto import room_api_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
-APP = "scale"
-SECRET = "peer-secret-for-tests"
-TTL_S = 2.0
-SHARED_REDIS = "redis://127.0.0.1:6379/0"
-SHARED_NATS = "nats://127.0.0.1:4222"
+TTL_S = 2.0  # cluster_config's lease.ttl
 DOCKER_YAML = Path(__file__).resolve().parents[2] / "configs" / "docker.yaml"
-
-
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """A stream and subject namespace of one test on the shared NATS (subjects may not overlap across streams)."""
-
-    name: str
-    namespace: str
-
-
-@pytest.fixture
-def stream(require_service: Any) -> Iterator[Stream]:
-    require_service("NATS", "127.0.0.1", 4222)
-    tag = secrets.token_hex(4)
-    value = Stream(name=f"scale_{tag}", namespace=f"scale{tag}")
-    yield value
-    asyncio.run(_drop_streams(value.name))
-
-
-async def _drop_streams(name: str) -> None:
-    nc = await nats.connect(SHARED_NATS)
-    try:
-        for each in (name, f"{name}_dlq"):
-            with contextlib.suppress(Exception):  # a stream nobody published to was never created
-                await nc.jetstream().delete_stream(each)
-    finally:
-        await nc.close()
-
-
-def cluster_config(path: Path, *, database_url: str, redis_url: str, prefix: str, stream: Stream) -> Path:
-    path.write_text(
-        f"""
-logging: {{level: info, json: true}}
-database: {{url: "{database_url}", timeout: "1s"}}
-lease: {{driver: redis, ttl: "2s", renew_every: "400ms", safety_margin: "500ms"}}
-redis: {{url: "{redis_url}", key_prefix: "{prefix}", socket_timeout: "300ms", socket_connect_timeout: "300ms"}}
-grpc: {{host: 127.0.0.1, port: 0, shared_secret: "${{ROOMSERVICE_GRPC_SHARED_SECRET}}", forward_timeout: "1s"}}
-outbox_worker: {{enabled: true, publish_mode: mq}}
-rocketmq: {{namespace: "{stream.namespace}", room_outbox: {{enabled: true}}}}
-broker: {{driver: nats, nats: {{url: "{SHARED_NATS}", stream: "{stream.name}"}}}}
-gifts:
-  - {{id: rose, name: Rose, price: 10}}
-"""
-    )
-    return path
 
 
 class Node:
@@ -130,15 +87,15 @@ class Node:
 
 @pytest.fixture
 def prefix() -> Iterator[str]:
-    value = f"test-scale-{uuid.uuid4().hex[:8]}:"
-    yield value
-    client = redis.Redis.from_url(SHARED_REDIS)
-    try:
-        keys = list(client.scan_iter(match=f"{value}*"))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    with redis_prefix() as value:
+        yield value
+
+
+@pytest.fixture
+def stream(require_service: Any) -> Iterator[Stream]:
+    require_service("NATS", "127.0.0.1", 4222)
+    with nats_stream() as value:
+        yield value
 
 
 def start_nodes(tmp_path: Path, config: Path, n: int) -> list[Node]:
@@ -164,15 +121,6 @@ def three(tmp_path: Path, fresh_mariadb_url: str, prefix: str, stream: Stream) -
         for node in nodes:
             os.kill(node.pid, signal.SIGCONT) if node.server.proc and node.server.proc.poll() is None else None
             node.server.kill()
-
-
-def owner_address(redis_url: str, prefix: str, room: str) -> str | None:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    try:
-        raw = client.get(f"{prefix}lease:{APP}:{room}")
-    finally:
-        client.close()
-    return None if raw is None else str(json.loads(raw)["address"])
 
 
 def node_at(nodes: list[Node], address: str | None) -> Node | None:

@@ -3,7 +3,11 @@
 ``serve`` runs every role (the outbox worker when ``outbox_worker.enabled``) and
 the gRPC room API (``room_api=True``: bound to ``grpc.host``/``grpc.port``, its
 address advertised in this process's Redis leases so the others forward to it);
-``worker`` runs the outbox, timers and maintenance roles without HTTP. Tests
+``worker`` runs the outbox, timers and maintenance roles without HTTP. On Redis
+leases every process that builds the command pipeline serves the room API too
+(``worker``: the timers open treasure boxes and reconciliation takes a room's
+turn; ``consume``: the treasure-open group), since a lease names its holder's
+address and the others forward that room's commands there. Tests
 start the same roles, built the same way; ``loops=False`` only leaves the
 background loops unstarted for tests that drive them by hand.
 """
@@ -151,7 +155,8 @@ class Process:
         ``wallet`` replaces the configured wallet and ``publishers`` adds or
         replaces delivery targets (tests); ``loops=False`` builds the same
         parts but starts no background loop; ``groups`` limits the consumers role to those groups;
-        ``room_api`` serves the gRPC room API (with the API role).
+        ``room_api`` serves the gRPC room API (with the API role); on Redis leases it is served
+        whenever this process builds the command pipeline (module docstring).
         """
         chosen = frozenset(roles)
         unknown = chosen - ROLES
@@ -181,7 +186,8 @@ class Process:
             core = Core(settings=settings, db=db, clock=clock, stack=stack)
             process = await cls._build(core, chosen, wallet=wallet, publishers=publishers or {}, groups=groups)
             _warn_single_owner(settings, chosen, db.dialect_name)
-            if room_api and API in chosen:
+            takes_redis_leases = process.commands is not None and process.commands.redis_leases is not None
+            if (room_api and API in chosen) or takes_redis_leases:
                 await process._start_room_api()
             if loops:
                 process._start()

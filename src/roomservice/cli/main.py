@@ -196,7 +196,10 @@ def worker(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None
     """Run the outbox worker, the treasure timer and retention alone, without the HTTP API.
 
     Several worker processes may run against one database; SIGTERM or SIGINT stops
-    one gracefully (its unfinished claims are handed back) with exit status 0.
+    one gracefully (its unfinished claims are handed back) with exit status 0. With
+    lease.driver redis it serves the gRPC room API on grpc.host and grpc.port (the
+    bound port is written to the file grpc-port in the data dir): the room leases
+    its timers take name that address, and the other processes forward there.
     """
     data_dir = prepare_data_dir(data_dir)
     settings = settings_from_options(config, data_dir)
@@ -206,16 +209,17 @@ def worker(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var")) -> None
     from roomservice.observability.logging import configure_logging
 
     configure_logging(level=settings.logging.level, json=settings.logging.json)
-    asyncio.run(_work(settings))
+    asyncio.run(_work(settings, data_dir))
 
 
-async def _work(settings: Settings) -> None:
+async def _work(settings: Settings, data_dir: Path) -> None:
     from roomservice.bootstrap import WORKER_ROLES, Process
     from roomservice.observability.logging import get_logger
 
     stop = GracefulStop(deadline_s=_stop_deadline_s(settings, http=False)).install()
-    async with Process.running(settings, roles=WORKER_ROLES):
+    async with Process.running(settings, roles=WORKER_ROLES) as runtime:
         restrict_database_files(settings)
+        _write_grpc_port(runtime, data_dir)
         get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
         await stop.requested.wait()
     stop.complete()
@@ -234,7 +238,9 @@ def consume(
 
     Several consume processes may run the same groups: the broker shares a
     group's messages between them. SIGTERM or SIGINT lets the deliveries in
-    flight finish; the rest come back after their visibility timeout.
+    flight finish; the rest come back after their visibility timeout. With
+    lease.driver redis, a process running the treasure-open group serves the gRPC
+    room API as worker does (its room leases name that address).
     """
     from roomservice.bootstrap.broker import consumer_groups
 
@@ -251,19 +257,26 @@ def consume(
     from roomservice.observability.logging import configure_logging
 
     configure_logging(level=settings.logging.level, json=settings.logging.json)
-    asyncio.run(_consume(settings, frozenset(group or enabled)))
+    asyncio.run(_consume(settings, frozenset(group or enabled), data_dir))
 
 
-async def _consume(settings: Settings, groups: frozenset[str]) -> None:
+async def _consume(settings: Settings, groups: frozenset[str], data_dir: Path) -> None:
     from roomservice.bootstrap import CONSUME_ROLES, Process
     from roomservice.observability.logging import get_logger
 
     stop = GracefulStop(deadline_s=_stop_deadline_s(settings, http=False)).install()
-    async with Process.running(settings, roles=CONSUME_ROLES, groups=groups):
+    async with Process.running(settings, roles=CONSUME_ROLES, groups=groups) as runtime:
         restrict_database_files(settings)
+        _write_grpc_port(runtime, data_dir)
         get_logger("roomservice.cli").info("consumer_running", groups=sorted(groups))
         await stop.requested.wait()
     stop.complete()
+
+
+def _write_grpc_port(runtime: Process, data_dir: Path) -> None:
+    """A worker or consumer on Redis leases serves the room API (see Process): say where, as serve does."""
+    if runtime.room_api is not None:
+        (data_dir / "grpc-port").write_text(f"{runtime.room_api.port}\n")
 
 
 @activity_app.command("serve")
