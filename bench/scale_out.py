@@ -19,8 +19,9 @@ Prints:
     in one gRPC hop (p50/p99 of each, and the difference);
   * the lease takeover time after ``kill -9`` of a room's owner: from the kill
     until another process answers a command for the room with 200 (the client
-    retries a 503 with the same command_id every 20 ms), repeated; min/median/max
-    beside the configured ``lease.ttl`` and ``lease.renew_every``.
+    retries a 503 with the same command_id every 20 ms), repeated, each kill at a
+    drawn point of the lease's renewal cycle; min/median/max beside the
+    configured ``lease.ttl`` and ``lease.renew_every``.
 
 The machine's core count is printed: with 2 cores, three servers, MariaDB, the
 NATS server and the client share the same two, so the 2- and 3-process figures
@@ -37,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import resource
 import secrets
 import signal
@@ -325,16 +327,19 @@ async def takeovers(cluster: Cluster, *, repeats: int) -> list[dict[str, Any]]:
     """Kill -9 a room's owner, time until a survivor answers a command for it; restart the owner."""
     n = len(cluster.nodes)
     results = []
+    phases = random.Random(10)  # the same draws in every run
     for k in range(repeats):
         victim = k % n
         room = f"k{k}"
         await create_room(cluster, victim, room)
         assert cluster.owner_address(room) == cluster.nodes[victim].grpc_target
-        # a few commands through the owner, so the kill lands at some point of its renewal cycle
-        for i in range(5):
+        for i in range(5):  # a few commands through the owner first
             await post_until_answered(
                 cluster, 0, victim, join_path(room), {"command_id": f"w{k}-{i}", "user_id": f"w{i}"}
             )
+        # the kill lands at a uniformly drawn point of the lease's renewal cycle (renewed every renew_every
+        # since it was taken), so the lease has between ttl - renew_every and ttl left
+        await asyncio.sleep(cluster.renew_every_s * (1 + phases.random()))
         survivors = [i for i in range(n) if i != victim]
         for s in survivors:  # the survivors' connections are open before the clock starts
             await cluster.client(0, s)
@@ -439,7 +444,8 @@ async def hop_and_takeover(cluster: Cluster, args: argparse.Namespace) -> None:
         f"[takeover] kill -9 of the owner -> a command answered 200 by a survivor, {len(seconds)} times "
         f"({len(cluster.nodes)} processes): min {min(seconds):.2f} s, median {statistics.median(seconds):.2f} s, "
         f"max {max(seconds):.2f} s; lease.ttl {cluster.ttl_s:g} s, renew_every {cluster.renew_every_s:g} s "
-        f"(median / ttl {statistics.median(seconds) / cluster.ttl_s:.2f}); "
+        f"(the lease had {cluster.ttl_s - cluster.renew_every_s:g}..{cluster.ttl_s:g} s left at the kill; "
+        f"median / ttl {statistics.median(seconds) / cluster.ttl_s:.2f}); "
         f"the answering process holds the new lease: {all(r['taken_by'] for r in taken)}",
         flush=True,
     )
