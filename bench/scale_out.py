@@ -13,7 +13,7 @@ Prints:
     with p50/p99 latency and the CPU the servers and the client used; beside it,
     in the same run, the bare-driver baseline: the same transaction (guarded
     room_meta update + command log + outbox insert, rows of the sizes just
-    measured) from a minimal asyncmy loop (``bench.command_path.raw_run``);
+    measured) from a minimal asyncmy loop at the client's concurrency (``bench.bare``);
   * the latency a forwarded command adds over a local one: one room, commands
     one at a time, alternately to its owner and to a process that forwards them
     in one gRPC hop (p50/p99 of each, and the difference);
@@ -56,8 +56,9 @@ import nats
 import redis
 import sqlalchemy as sa
 
-from bench.command_path import KeepAliveClient, raw_run
+from bench.command_path import bare_run
 from bench.common import fresh_database, percentile
+from bench.http_commands import KeepAliveClient
 from roomservice.durations import parse_duration
 from roomservice.store import tables as t
 from roomservice.store.database import Database
@@ -282,7 +283,7 @@ async def throughput(cluster: Cluster, *, rooms: int, commands: int, concurrency
 
 
 async def row_sizes(database_url: str) -> list[int]:
-    """Average bytes of a JoinRoom's command, events, response and outbox payload, as stored."""
+    """Average bytes of a JoinRoom's command, events, response, timing and outbox payload, as stored."""
     db = Database.from_url(database_url)
     try:
         async with db.read() as conn:
@@ -292,6 +293,7 @@ async def row_sizes(database_url: str) -> list[int]:
                         sa.func.avg(sa.func.length(t.room_command_log.c.command)),
                         sa.func.avg(sa.func.length(t.room_command_log.c.events)),
                         sa.func.avg(sa.func.length(t.room_command_log.c.response)),
+                        sa.func.avg(sa.func.length(t.room_command_log.c.timing)),
                         sa.select(sa.func.avg(sa.func.length(t.room_outbox.c.payload))).scalar_subquery(),
                     ).where(t.room_command_log.c.command_type == "JoinRoom")
                 )
@@ -372,7 +374,8 @@ async def takeovers(cluster: Cluster, *, repeats: int) -> list[dict[str, Any]]:
             {"seconds": took, "attempts": attempts, "taken_by": cluster.nodes[answered_by].grpc_target == new_owner}
         )
         cluster.drop_clients(victim)
-        node.server.start(timeout_s=60)  # back for the next round (a new gRPC port)
+        if k + 1 < repeats:
+            node.server.start(timeout_s=60)  # back for the next round (a new gRPC port)
     return results
 
 
@@ -411,9 +414,9 @@ async def run(args: argparse.Namespace) -> None:
                 await hop_and_takeover(cluster, args)
         if not raw:  # between clusters: nothing else of ours runs
             async with fresh_database("mariadb") as url:
-                raw = await raw_run(url, args.commands, sizes)
+                raw = await bare_run(url, args.commands, sizes, concurrency=args.concurrency)
             print(
-                f"[throughput] bare-driver baseline (asyncmy, concurrency 64, the same transaction, "
+                f"[throughput] bare-driver baseline (asyncmy, concurrency {args.concurrency}, the same transaction, "
                 f"row sizes {sizes}): {raw['cps']:7.0f} tx/s",
                 flush=True,
             )
