@@ -367,3 +367,46 @@ async def test_console_disabled_serves_nothing(console_runtime: Process) -> None
     assert _console(console_runtime, ADMIN_TOKEN) is None
     async with client_for(console_runtime, None) as http:  # type: ignore[arg-type]
         assert (await http.get("/console/login")).status_code == 404
+
+
+async def test_a_bug_is_a_500_page_in_the_consoles_layout_and_a_database_outage_a_503(
+    http: httpx.AsyncClient, console: Console
+) -> None:
+    from roomservice import errors
+
+    await logged_in(http)
+
+    async def broken() -> None:
+        raise RuntimeError("boom")
+
+    async def down() -> None:
+        raise errors.Unavailable("database unavailable")
+
+    console.outbox.stats = broken  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        page = await http.get("/console/")
+    assert page.status_code == 500 and "internal error" in page.text and "Log out" in page.text
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["console_unhandled_error"]
+    console.outbox.stats = down  # type: ignore[method-assign]
+    page = await http.get("/console/")
+    assert page.status_code == 503 and "database unavailable" in page.text
+
+
+async def test_replaying_ticked_rows_confirms_them_first(console_runtime: Process, http: httpx.AsyncClient) -> None:
+    await insert_rows(console_runtime.db, sample_rows())
+    csrf = await logged_in(http)
+    nothing = await http.post("/console/outbox/confirm", data={"csrf_token": csrf, "selection": "selected"})
+    assert nothing.status_code == 400 and "tick at least one row" in nothing.text
+    confirm = await http.post(
+        "/console/outbox/confirm",
+        data={"csrf_token": csrf, "selection": "selected", "event_id": ["f-1", "f-2", "f-1"]},
+    )
+    assert '<strong id="confirm-count">2</strong>' in confirm.text
+    assert await status_of(console_runtime, "f-1") == "failed"
+    started = await http.post(
+        "/console/outbox/replay",
+        data={"csrf_token": csrf_of(confirm.text), "selection": "selected", "event_id": ["f-1", "f-2", "p-old"]},
+    )
+    job = await job_finished(http, started.headers["location"])
+    assert job["summary"]["replayed"] == 2 and job["summary"]["not_failed"] == 1  # type: ignore[index]
+    assert {await status_of(console_runtime, i) for i in ("f-1", "f-2")} == {"pending"}
