@@ -215,6 +215,21 @@ async def test_direct_mode_filter_the_failed_rows_of_an_im_outage_open_one_repla
         await check_page(page, "im-sandbox-group")
         await page.goto(f"{base}/console/")
         await check_page(page, "overview-after")
+
+        # the same pages on a desktop screen, for the record
+        desktop = await browser.new_context(
+            viewport={"width": 1280, "height": 900}, storage_state=await context.storage_state()
+        )
+        wide = await desktop.new_page()
+        for name, path in [
+            ("overview", "/console/"),
+            ("outbox", "/console/outbox"),
+            ("room-inspector", f"/console/rooms?app={APP}&room={room}"),
+            ("im-sandbox", "/console/im"),
+        ]:
+            await wide.goto(base + path)
+            await check_page(wide, f"desktop-{name}")
+        await desktop.close()
         await context.close()
 
 

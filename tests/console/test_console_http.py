@@ -83,7 +83,10 @@ async def test_job_json_and_unknown_paths_answer_403_without_a_session(http: htt
     response = await http.get("/console/jobs/abc.json")
     assert response.status_code == 403
     assert response.json()["error"]["code"] == "forbidden"
-    assert (await http.get("/console/no/such/page")).status_code == 403
+    assert (await http.get("/console/no/such/page")).status_code == 303  # as any page: to the login page
+    assert (await http.post("/console/no/such/action")).status_code == 403
+    await logged_in(http)
+    assert (await http.get("/console/no/such/page")).status_code == 404
     assert (await http.get("/console", follow_redirects=False)).headers["location"] == "/console/"
 
 

@@ -178,6 +178,12 @@ def _forbidden(request: Request, console: Console, message: str, *, wants_json: 
     return _render(request, "error.html", None, console, status=403, title="Forbidden", message=message)
 
 
+def _to_login(request: Request) -> Response:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    login = f"{PREFIX}/login?" + urlencode({"next": target})
+    return RedirectResponse(login, status_code=303, headers=_SECURITY_HEADERS)
+
+
 def _guarded(console: Console, handler: Handler, *, action: bool) -> Callable[[Request], Awaitable[Response]]:
     """``handler`` behind the session (and, for POSTs, the CSRF token); errors as console pages."""
 
@@ -188,9 +194,7 @@ def _guarded(console: Console, handler: Handler, *, action: bool) -> Callable[[R
         if session is None:
             if action or wants_json or request.method != "GET":
                 return _forbidden(request, console, "log in to the console first", wants_json=wants_json)
-            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            login = f"{PREFIX}/login?" + urlencode({"next": target})
-            return RedirectResponse(login, status_code=303, headers=_SECURITY_HEADERS)
+            return _to_login(request)
         try:
             if request.method == "POST":
                 form = await _form(request)
@@ -651,7 +655,9 @@ def console_app(console: Console) -> Starlette:
 
     async def not_found(request: Request, exc: Exception) -> Response:
         session = _session(console, request)
-        if session is None:
+        if session is None:  # without a session a missing page looks like any other: the login page
+            if request.method in ("GET", "HEAD") and not request.url.path.endswith(".json"):
+                return _to_login(request)
             return _forbidden(request, console, "log in to the console first", wants_json=False)
         return _render(request, "error.html", session, console, status=404, title="not_found", message="no such page")
 
