@@ -82,3 +82,19 @@ def test_sessions_sign_expire_and_keep_operators_printable() -> None:
     assert sessions.token_ok("tok") and not sessions.token_ok("tok ") and not Sessions("", ttl_s=1).token_ok("")
     assert valid_operator("  Zoë  ") == "Zoë"
     assert valid_operator("a\nb") is None and valid_operator("x" * 49) is None and valid_operator(" ") is None
+
+
+def test_the_wheel_carries_every_template_and_static_file() -> None:
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["roomservice"]
+    package = root / "src" / "roomservice"
+    files = [p for d in ("templates", "static") for p in (package / "console" / d).iterdir()]
+    assert len(files) >= 12
+    for path in files:
+        relative = path.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), relative
+        assert "://" not in path.read_text(), f"{relative} loads something from elsewhere: the console works offline"
