@@ -13,6 +13,10 @@ Three figures per backend, measured in the same run, concurrency 64 over 1,000 r
 * **command path**: ``RoomService.execute(JoinRoom)`` in process, as
   ``bench.command_path`` runs it.
 
+``--latency``: commit -> delivered (created_at_ms -> delivered_at_ms of each outbox row) at
+200 events/s in direct mode with instant publishers, the worker in the same process as
+the commands, beside the p99 of one bare claim + finish cycle (bench.bare) in the same run.
+
 Ratios are against the bare driver of the same run. The store's transaction count
 comes from its group-commit counters.
 """
@@ -24,6 +28,7 @@ import asyncio
 import os
 import sqlite3
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -287,11 +292,82 @@ async def bench_backend(backend: str, commands: int, *, with_service: bool) -> N
         )
 
 
+LATENCY_ROOMS = 100
+DIRECT_MODE = {
+    "outbox_worker.publish_mode": "direct",
+    "rocketmq.room_outbox.enabled": False,
+    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
+    "rocketmq.treasure_open.enabled": False,
+    "consumers.activity.enabled": False,
+    "consumers.notice.enabled": False,
+    "outbox_worker.poll_interval": "1s",
+}
+
+
+async def commit_to_delivered(backend: str, *, rate: int, seconds: float) -> None:
+    from pathlib import Path
+
+    import sqlalchemy as sa
+
+    from bench.bare import claim_finish_cycles
+    from bench.common import percentile
+    from bench.outbox_drain import InstantPublisher, seed
+    from roomservice.bootstrap import Process
+    from roomservice.store import tables as t
+
+    async with fresh_database(backend) as url:
+        with tempfile.TemporaryDirectory() as data_dir:
+            settings = (
+                load_settings().with_data_dir(Path(data_dir)).with_overrides({"database.url": url, **DIRECT_MODE})
+            )
+            publishers: dict[str, Any] = {"im": InstantPublisher("im"), "activity": InstantPublisher("activity")}
+            async with Process.running(settings, publishers=publishers) as rt:
+                svc = rt.service
+                # many rooms, as in production: one room of thousands of members measures its growing answer
+                for r in range(LATENCY_ROOMS):
+                    await svc.execute(APP, f"lat{r}", "create", c.CreateRoom(owner_id="o", title="latency"))
+                total = int(rate * seconds)
+                start = time.perf_counter()
+                for i in range(total):  # open loop: one command every 1/rate s
+                    delay = start + i / rate - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await svc.execute(APP, f"lat{i % LATENCY_ROOMS}", f"j{i}", c.JoinRoom(user_id=f"u{i}"))
+                rows: list[Any] = []
+                for _ in range(300):  # until everything is delivered, at most 30 s
+                    async with rt.db.read() as conn:
+                        rows = list(
+                            await conn.execute(
+                                sa.select(t.room_outbox.c.created_at_ms, t.room_outbox.c.delivered_at_ms).where(
+                                    t.room_outbox.c.event_type == "RoomUserJoined"
+                                )
+                            )
+                        )
+                    if len(rows) == total and all(d is not None for _, d in rows):
+                        break
+                    await asyncio.sleep(0.1)
+                batches = rt.worker.batches if rt.worker is not None else 0
+    lat = [float(d - c_) for c_, d in rows if d is not None]
+    async with fresh_database(backend) as url:
+        await seed(url, 200)
+        cycle = await claim_finish_cycles(url, 200)
+    p99, bare_p99 = percentile(lat, 0.99), percentile(cycle, 0.99)
+    print(
+        f"[{backend}] commit -> delivered at {rate} events/s (direct mode, instant publishers, worker in process): "
+        f"p50 {percentile(lat, 0.5):.0f} ms, p99 {p99:.0f} ms over {len(lat)}/{total} events in {batches} batches; "
+        f"bare claim+finish cycle p50 {percentile(cycle, 0.5):.2f} ms, p99 {bare_p99:.2f} ms; "
+        f"p99 ratio {p99 / max(bare_p99, 1e-9):.1f}x (target <= 3x; the rows keep whole milliseconds)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")
     parser.add_argument("--commands", type=int, default=10_000)
     parser.add_argument("--no-service", action="store_true", help="skip the command-path figure")
+    parser.add_argument("--latency", action="store_true", help="commit -> delivered instead of the write path")
+    parser.add_argument("--rate", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=10.0)
     args = parser.parse_args()
     configure_logging(level="info", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
     print(
@@ -299,6 +375,9 @@ def main() -> None:
         f"python {sys.version.split()[0]}, {os.cpu_count()} cpus"
     )
     for backend in ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]:
+        if args.latency:
+            asyncio.run(commit_to_delivered(backend, rate=args.rate, seconds=args.seconds))
+            continue
         asyncio.run(bench_backend(backend, args.commands, with_service=not args.no_service))
 
 
