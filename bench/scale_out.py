@@ -10,8 +10,10 @@ Prints:
   * throughput with 1, 2 and 3 processes: JoinRoom commands/s, rooms spread over
     the processes (room k created on process k mod N, which takes its lease) and
     every command sent to the process owning its room (nothing is forwarded),
-    with p50/p99 latency and the CPU the servers and the client used; beside it,
-    in the same run, the bare-driver baseline: the same transaction (guarded
+    with p50/p99 latency and the CPU the servers and the client used (the servers'
+    CPU a command is what a loaded machine disturbs least), in rounds with the
+    order of the counts alternating, then the medians; beside it, once a round,
+    the bare-driver baseline: the same transaction (guarded
     room_meta update + command log + outbox insert, rows of the sizes just
     measured) from a minimal asyncmy loop at the client's concurrency (``bench.bare``);
   * the latency a forwarded command adds over a local one: one room, commands
@@ -27,8 +29,8 @@ The machine's core count is printed: with 2 cores, three servers, MariaDB, the
 NATS server and the client share the same two, so the 2- and 3-process figures
 measure contention more than capacity.
 
-    .venv/bin/python -m bench.scale_out [--processes 1,2,3] [--rooms R] [--commands N] [--concurrency C]
-        [--latency-samples S] [--takeovers K] [--ttl 10s] [--no-outbox]
+    .venv/bin/python -m bench.scale_out [--processes 1,2,3] [--rounds R] [--rooms R] [--commands N]
+        [--concurrency C] [--latency-samples S] [--takeovers K] [--ttl 10s] [--no-outbox]
 """
 
 from __future__ import annotations
@@ -138,9 +140,11 @@ def config_text(*, database_url: str, prefix: str, stream: str, ttl_s: float, ou
         if outbox
         else "outbox_worker: {enabled: false}\n"
     )
+    # 16 connections a process at most: three of them and the baseline stay well inside MariaDB's
+    # default max_connections (151), shared with whatever else runs on the server
     return f"""
 logging: {{level: warning, json: true}}
-database: {{url: "{database_url}", pool_size: 32}}
+database: {{url: "{database_url}", pool_size: 16, max_overflow: 0}}
 lease: {{driver: redis, {lease}}}
 redis: {{url: "{REDIS_URL}", key_prefix: "{prefix}"}}
 grpc: {{host: 127.0.0.1, port: 0, shared_secret: "${{ROOMSERVICE_GRPC_SHARED_SECRET}}"}}
@@ -394,37 +398,47 @@ async def run(args: argparse.Namespace) -> None:
     counts = sorted({int(x) for x in args.processes.split(",")})
     ttl_s = parse_duration(args.ttl).total_seconds()
     outbox = not args.no_outbox
-    measured: dict[int, dict[str, Any]] = {}
-    raw: dict[str, Any] = {}
-    for n in counts:
-        async with running_cluster(n, ttl_s=ttl_s, outbox=outbox) as cluster:
-            result = await throughput(cluster, rooms=args.rooms, commands=args.commands, concurrency=args.concurrency)
-            measured[n] = result
-            cpu = result["cpu"]
-            print(
-                f"[throughput] {plural(n)}: {result['cps']:7.0f} cmd/s  "
-                f"{fmt_ms(result['latencies'])}  503-retries {result['retries']}  "
-                f"rooms not on their process {result['misplaced']}/{args.rooms}  "
-                f"CPU: servers {cpu['servers'] / result['elapsed']:.2f} cores, "
-                f"client {cpu['client'] / result['elapsed']:.2f} cores",
-                flush=True,
-            )
-            sizes = await row_sizes(cluster.database_url) if not raw else []
-            if n == counts[-1] and n >= 2:  # the largest cluster measures the hop and the takeover too
-                await hop_and_takeover(cluster, args)
-        if not raw:  # between clusters: nothing else of ours runs
-            async with fresh_database("mariadb") as url:
-                raw = await bare_run(url, args.commands, sizes, concurrency=args.concurrency)
-            print(
-                f"[throughput] bare-driver baseline (asyncmy, concurrency {args.concurrency}, the same transaction, "
-                f"row sizes {sizes}): {raw['cps']:7.0f} tx/s",
-                flush=True,
-            )
-    first = measured[counts[0]]["cps"]
-    for n, result in measured.items():
+    measured: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
+    bare_cps: list[float] = []
+    for round_ in range(args.rounds):
+        order = counts if round_ % 2 == 0 else counts[::-1]  # interleaved: a slow minute hurts every count
+        for n in order:
+            async with running_cluster(n, ttl_s=ttl_s, outbox=outbox) as cluster:
+                result = await throughput(
+                    cluster, rooms=args.rooms, commands=args.commands, concurrency=args.concurrency
+                )
+                measured[n].append(result)
+                cpu = result["cpu"]
+                print(
+                    f"[throughput] round {round_ + 1}, {plural(n)}: {result['cps']:7.0f} cmd/s  "
+                    f"{fmt_ms(result['latencies'])}  503-retries {result['retries']}  "
+                    f"rooms not on their process {result['misplaced']}/{args.rooms}  "
+                    f"CPU: servers {cpu['servers'] / result['elapsed']:.2f} cores "
+                    f"({cpu['servers'] / args.commands * 1000:.2f} ms a command), "
+                    f"client {cpu['client'] / result['elapsed']:.2f} cores",
+                    flush=True,
+                )
+                sizes = await row_sizes(cluster.database_url)
+                if round_ == 0 and n == counts[-1] and n >= 2:  # the largest cluster: the hop and the takeover
+                    await hop_and_takeover(cluster, args)
+            if n == order[0]:  # once a round, between clusters: nothing else of ours runs
+                async with fresh_database("mariadb") as url:
+                    bare = await bare_run(url, args.commands, sizes, concurrency=args.concurrency)
+                bare_cps.append(bare["cps"])
+                print(
+                    f"[throughput] round {round_ + 1}, bare-driver baseline (asyncmy, concurrency "
+                    f"{args.concurrency}, the same transaction, row sizes {sizes}): {bare['cps']:7.0f} tx/s",
+                    flush=True,
+                )
+    baseline = statistics.median(bare_cps)
+    first = statistics.median(r["cps"] for r in measured[counts[0]])
+    for n, results in measured.items():
+        cps = statistics.median(r["cps"] for r in results)
+        cpu_ms = statistics.median(r["cpu"]["servers"] / args.commands * 1000 for r in results)
         print(
-            f"[throughput] {plural(n)}: ratio to the baseline {result['cps'] / raw['cps']:.2f}x, "
-            f"to {plural(counts[0]).strip()} {result['cps'] / first:.2f}x"
+            f"[throughput] median of {len(results)}, {plural(n)}: {cps:7.0f} cmd/s, "
+            f"ratio to the baseline ({baseline:.0f} tx/s) {cps / baseline:.2f}x, "
+            f"to {plural(counts[0]).strip()} {cps / first:.2f}x; server CPU {cpu_ms:.2f} ms a command"
         )
 
 
@@ -462,6 +476,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=48, help="client lanes, one command in flight each")
     parser.add_argument("--latency-samples", type=int, default=400)
     parser.add_argument("--takeovers", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds, the order of counts alternating")
     parser.add_argument("--ttl", default="10s", help="lease.ttl (renew_every 0.3 x ttl, safety_margin 0.2 x ttl)")
     parser.add_argument("--no-outbox", action="store_true", help="outbox worker off (default: mq on NATS)")
     args = parser.parse_args()
@@ -472,6 +487,8 @@ def main() -> None:
         f"load average {load[0]:.2f}; python {sys.version.split()[0]}",
         flush=True,
     )
+    # SIGTERM as Ctrl-C: the clusters stop and their database, Redis keys and streams are removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     asyncio.run(run(args))
 
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_scale_out_benchmark_runs_every_phase(mariadb_server_url: Any, require_service: Any) -> None:
     require_service("Redis", "127.0.0.1", 6379)
     require_service("NATS", "127.0.0.1", 4222)
-    args = ["--processes", "2", "--rooms", "4", "--commands", "60", "--concurrency", "4"]
+    args = ["--processes", "2", "--rounds", "1", "--rooms", "4", "--commands", "60", "--concurrency", "4"]
     args += ["--latency-samples", "10", "--takeovers", "1", "--ttl", "2s"]
     run = subprocess.run(
         [sys.executable, "-m", "bench.scale_out", *args],
@@ -32,9 +32,10 @@ def test_the_scale_out_benchmark_runs_every_phase(mariadb_server_url: Any, requi
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert re.search(r"\d+ cores", out)
-    assert re.search(r"^\[throughput\] 2 processes: +\d+ cmd/s", out, re.M)
-    assert re.search(r"^\[throughput\] bare-driver baseline .*: +\d+ tx/s", out, re.M)
-    assert re.search(r"^\[throughput\] 2 processes: ratio to the baseline \d", out, re.M)
+    assert re.search(r"^\[throughput\] round 1, 2 processes: +\d+ cmd/s .* ms a command", out, re.M)
+    assert re.search(r"^\[throughput\] round 1, bare-driver baseline .*: +\d+ tx/s", out, re.M)
+    median = r"^\[throughput\] median of 1, 2 processes: .* ratio to the baseline \(\d+ tx/s\) \d+\.\d+x"
+    assert re.search(median, out, re.M)
     assert "rooms not on their process 0/4" in out  # every room stayed with the process it was created on
     assert re.search(r"^\[forwarding\] added by the hop: p50 [+-]\d", out, re.M)
     assert re.search(r"^\[takeover\] .* 1 times .* lease\.ttl 2 s", out, re.M)
