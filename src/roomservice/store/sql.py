@@ -14,10 +14,10 @@ thread hop on SQLite).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Sequence
 from typing import Any, Final
 
+import orjson
 from sqlalchemy import (
     CompoundSelect,
     Connection,
@@ -67,8 +67,11 @@ OUTBOX_PENDING: Final = "pending"
 
 
 def dump_json(value: Any) -> str:
-    """Compact JSON, UTF-8 kept as is: the form every JSON column is written in."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON, UTF-8 kept as is: the form every JSON column is written in.
+
+    orjson: the command log row's three documents were a fifth of a command's CPU with the
+    stdlib encoder (py-spy, issue 12); the output is the same compact form."""
+    return orjson.dumps(value).decode()
 
 
 # --------------------------------------------------------------------------- statements
@@ -223,7 +226,7 @@ class SqlRoomStore:
         return LoggedCommand(
             command_id=row.command_id,
             fingerprint=row.fingerprint,
-            response=json.loads(row.response),
+            response=orjson.loads(row.response),
             version=row.version,
         )
 
@@ -243,10 +246,10 @@ class SqlRoomStore:
             elif doc is None:  # only meta rows carry no document
                 continue
             elif kind == _KIND_SNAPSHOT:
-                state = RoomState.from_dict(json.loads(doc))
+                state = RoomState.from_dict(orjson.loads(doc))
                 snapshot_version = version
             else:
-                events.extend(Event.from_dict(data) for data in json.loads(doc))
+                events.extend(Event.from_dict(data) for data in orjson.loads(doc))
         state = replay(state, events)
         loaded_version = 0 if state is None else state.version
         if loaded_version != (meta_version or 0):
