@@ -119,12 +119,12 @@ async def _sqlite_write_rate(url: str, shape: WriteShape, commands: int, concurr
             conn.execute(outbox_insert, outbox)
             conn.execute("COMMIT")
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         latencies = await run_concurrently(concurrency, list(range(commands)), one)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         conn.close()
-    return {"cps": commands / elapsed, "latencies": latencies}
+    return {"cps": commands / elapsed, "latencies": latencies, "cpu_us": cpu / commands * 1e6}
 
 
 async def mariadb_connect(url: str) -> Any:
@@ -170,13 +170,13 @@ async def _mariadb_write_rate(url: str, shape: WriteShape, commands: int, concur
             finally:
                 free.append(conn)
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         latencies = await run_concurrently(concurrency, list(range(commands)), one)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     finally:
         for conn in conns:
             conn.close()
-    return {"cps": commands / elapsed, "latencies": latencies}
+    return {"cps": commands / elapsed, "latencies": latencies, "cpu_us": cpu / commands * 1e6}
 
 
 # --------------------------------------------------------------------------- the outbox worker's claim and finish

@@ -70,13 +70,13 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
                 lambda r: svc.execute(APP, f"room{r}", f"create-{r}", c.CreateRoom(owner_id="owner", title="bench")),
             )
             jobs = list(range(commands))
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             latencies = await run_concurrently(
                 concurrency,
                 jobs,
                 lambda i: svc.execute(APP, f"room{i % ROOMS}", f"join-{i}", c.JoinRoom(user_id=f"user{i}")),
             )
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             async with rt.db.read() as conn:
                 sizes = (
                     await conn.execute(
@@ -92,6 +92,7 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
             loaded = await cell_load_time(rt) if load else None
     return {
         "cps": commands / elapsed,
+        "cpu_us": cpu / commands * 1e6,  # this process, every thread
         "latencies": latencies,
         "sizes": [int(float(x or 0)) for x in sizes],
         "load": loaded,
@@ -211,6 +212,8 @@ def report(backend: str, svc: dict[str, Any], bare_: dict[str, Any], orm: dict[s
         print(f"[{backend}]   beside it, the same transaction through SQLAlchemy + Database.run_write: "
               f"{orm['cps']:8.0f} tx/s ({orm['cps'] / bare_['cps']:.2f}x bare; command path "
               f"{svc['cps'] / orm['cps']:.2f}x of it)", flush=True)
+    print(f"[{backend}] CPU per command (the process, every thread): {svc['cpu_us']:.0f} us; bare driver "
+          f"{bare_['cpu_us']:.0f} us per transaction (the client side only on MariaDB)")
     print(f"[{backend}] command latency: {describe(svc['latencies'])}")
     print(f"[{backend}] bare latency: {describe(bare_['latencies'])}")
     print(f"[{backend}] row sizes (command, events, response, timing, outbox payload bytes): {svc['sizes']}")

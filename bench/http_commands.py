@@ -185,7 +185,8 @@ def start_server(kind: str, tmp: Path) -> ServerProcess:
 
 
 class Profiler:
-    """py-spy record of the server process for one phase (root on this machine, so ptrace works)."""
+    """py-spy record of the server process for one phase (root on this machine, so ptrace works);
+    read a profile with speedscope, or ``python -m bench.spy_summary FILE``."""
 
     def __init__(self, pid: int, out_dir: Path | None, name: str) -> None:
         self.pid, self.out_dir, self.name = pid, out_dir, name
@@ -200,7 +201,9 @@ class Profiler:
             return
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         out = self.out_dir / f"{self.name}-{phase}.speedscope.json"
-        self.proc = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--rate", "200", "--format",
+        # --gil: only the thread holding the GIL is sampled, so the profile shows where the Python
+        # CPU goes (the event loop and the database threads share one GIL)
+        self.proc = subprocess.Popen([spy, "record", "--pid", str(self.pid), "--rate", "200", "--gil", "--format",
                                       "speedscope", "-o", str(out)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
 

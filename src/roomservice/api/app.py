@@ -136,6 +136,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
         version="1.0.0",
         description="Live voice-chat rooms; every side effect leaves through a transactional outbox.",
         redirect_slashes=False,  # a trailing slash names no route: 404, never a redirect
+        # FastAPI's own OpenTelemetry hooks off: our tracing (observability/tracing.py) makes the HTTP
+        # spans, and FastAPI's asked os.environ for a global tracer provider on every request (~5 % of
+        # the event loop's time under HTTP commands, py-spy; issue 12)
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.router.route_class = JsonRoute.with_policy(BodyPolicy(read_timeout_s=ctx.body_read_timeout_s))
     base_openapi = app.openapi
