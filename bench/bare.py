@@ -6,7 +6,7 @@ the same run (issue 12: "honest baselines"):
 * :func:`write_rate` — the write path's transaction: guarded ``room_meta``
   update, command log insert, outbox insert, one transaction per command,
   ``concurrency`` callers over the rooms. MariaDB: asyncmy, one connection per
-  caller, READ COMMITTED like the store. SQLite: stdlib ``sqlite3`` on the
+  caller (at most 64, as the service's pool), READ COMMITTED like the store. SQLite: stdlib ``sqlite3`` on the
   event loop's thread (WAL, ``synchronous=NORMAL``, ``BEGIN IMMEDIATE``): one
   writer, so the callers take turns and the figure is the driver's own rate.
 * :class:`RawSqlite` / :class:`RawMariaDB` — the outbox worker's claim and
@@ -18,6 +18,7 @@ migrations, so both sides write the same tables and indexes).
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from bench.common import run_concurrently
 
 APP = "bench"
 LOCK_MS = 30_000
+MAX_CONNECTIONS = 64
 
 # --------------------------------------------------------------------------- the write path's statements
 
@@ -148,18 +150,30 @@ async def mariadb_connect(url: str) -> Any:
 
 async def _mariadb_write_rate(url: str, shape: WriteShape, commands: int, concurrency: int) -> dict[str, Any]:
     update, log_insert, outbox_insert = (_sql(s, "%s") for s in (_META_UPDATE, _LOG_INSERT, _OUTBOX_INSERT))
-    conns = [await mariadb_connect(url) for _ in range(concurrency)]
+    # a connection per caller, up to MAX_CONNECTIONS (the server's max_connections is shared with
+    # every other client); beyond it callers wait for a free one, as they would on a pool
+    conns = [await mariadb_connect(url) for _ in range(min(concurrency, MAX_CONNECTIONS))]
     try:
         async with conns[0].cursor() as cur:
             await cur.executemany(
                 f"INSERT INTO room_meta ({_META_COLUMNS}) VALUES ({', '.join(['%s'] * 12)})", shape.meta_seed()
             )
         await conns[0].commit()
-        free = list(conns)
+        free: asyncio.Queue[Any] = asyncio.Queue()
+        for conn in conns:
+            free.put_nowait(conn)
+
+        # one transaction of a room at a time, in order (as a room's cell takes turns): with more callers
+        # than connections a later command of a room could otherwise overtake an earlier one
+        turns = [asyncio.Lock() for _ in range(shape.rooms)]
 
         async def one(i: object) -> None:
-            meta, log, outbox = shape.rows(int(i))  # type: ignore[call-overload]
-            conn = free.pop()
+            async with turns[int(i) % shape.rooms]:  # type: ignore[call-overload]
+                await write(int(i))  # type: ignore[call-overload]
+
+        async def write(i: int) -> None:
+            meta, log, outbox = shape.rows(i)
+            conn = await free.get()
             try:
                 async with conn.cursor() as cur:
                     if await cur.execute(update, meta) != 1:
@@ -168,7 +182,7 @@ async def _mariadb_write_rate(url: str, shape: WriteShape, commands: int, concur
                     await cur.execute(outbox_insert, outbox)
                 await conn.commit()
             finally:
-                free.append(conn)
+                free.put_nowait(conn)
 
         start, cpu = time.perf_counter(), time.process_time()
         latencies = await run_concurrently(concurrency, list(range(commands)), one)

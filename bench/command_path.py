@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from bench import bare, plot
 from bench.bare import WriteShape
 from bench.common import describe, fresh_database, percentile, run_concurrently
+from roomservice import errors
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.cell.cell import RoomCell
 from roomservice.config import load_settings
@@ -51,30 +52,52 @@ CONCURRENCY = 64
 ROOMS = 1_000
 
 
-def _settings(url: str, data_dir: str, concurrency: int = CONCURRENCY) -> Any:
-    pool = max(concurrency, CONCURRENCY)
+def _settings(url: str, data_dir: str) -> Any:
+    # 64 + 8 connections at every concurrency (beyond it callers queue): MariaDB's max_connections is shared
     return (
         load_settings()
         .with_data_dir(Path(data_dir))
-        .with_overrides({"database.url": url, "database.pool_size": pool, "database.max_overflow": 8})
+        .with_overrides({"database.url": url, "database.pool_size": CONCURRENCY, "database.max_overflow": 8})
     )
+
+
+RETRIES = 5
+
+
+async def execute_retrying(svc: Any, app: str, room: str, command_id: str, command: c.Command,
+                           retried: list[int]) -> None:
+    """``svc.execute`` as a client would call it: a retryable answer (503 unavailable / retry: a database
+    deadline on a loaded machine, a lease race) is retried with the same command_id, and counted."""
+    for attempt in range(RETRIES):
+        try:
+            await svc.execute(app, room, command_id, command)
+            return
+        except (errors.Unavailable, errors.Retry):
+            if attempt == RETRIES - 1:
+                raise
+            retried[0] += 1
+            await asyncio.sleep(0.05 * (attempt + 1))
 
 
 async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY, load: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data_dir:
-        async with Process.running(_settings(url, data_dir, concurrency), roles=(API, MAINTENANCE), loops=False) as rt:
+        async with Process.running(_settings(url, data_dir), roles=(API, MAINTENANCE), loops=False) as rt:
             svc = rt.service
+            retried = [0]
             await run_concurrently(
                 CONCURRENCY,
                 list(range(ROOMS)),
-                lambda r: svc.execute(APP, f"room{r}", f"create-{r}", c.CreateRoom(owner_id="owner", title="bench")),
+                lambda r: execute_retrying(svc, APP, f"room{r}", f"create-{r}",
+                                           c.CreateRoom(owner_id="owner", title="bench"), retried),
             )
+            retried = [0]
             jobs = list(range(commands))
             start, cpu = time.perf_counter(), time.process_time()
             latencies = await run_concurrently(
                 concurrency,
                 jobs,
-                lambda i: svc.execute(APP, f"room{i % ROOMS}", f"join-{i}", c.JoinRoom(user_id=f"user{i}")),
+                lambda i: execute_retrying(svc, APP, f"room{i % ROOMS}", f"join-{i}", c.JoinRoom(user_id=f"user{i}"),
+                                           retried),
             )
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
             async with rt.db.read() as conn:
@@ -93,6 +116,7 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
     return {
         "cps": commands / elapsed,
         "cpu_us": cpu / commands * 1e6,  # this process, every thread
+        "retried": retried[0],
         "latencies": latencies,
         "sizes": [int(float(x or 0)) for x in sizes],
         "load": loaded,
@@ -214,6 +238,8 @@ def report(backend: str, svc: dict[str, Any], bare_: dict[str, Any], orm: dict[s
               f"{svc['cps'] / orm['cps']:.2f}x of it)", flush=True)
     print(f"[{backend}] CPU per command (the process, every thread): {svc['cpu_us']:.0f} us; bare driver "
           f"{bare_['cpu_us']:.0f} us per transaction (the client side only on MariaDB)")
+    if svc["retried"]:
+        print(f"[{backend}] {svc['retried']} retryable answers (unavailable / retry) retried with the same command_id")
     print(f"[{backend}] command latency: {describe(svc['latencies'])}")
     print(f"[{backend}] bare latency: {describe(bare_['latencies'])}")
     print(f"[{backend}] row sizes (command, events, response, timing, outbox payload bytes): {svc['sizes']}")
@@ -272,8 +298,12 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     if args.sweep:
         concurrencies = [int(n) for n in args.sweep.split(",")]
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        load_before = os.getloadavg()[0]
         series = {backend: asyncio.run(sweep(backend, args.sweep_commands, concurrencies)) for backend in backends}
-        Path(args.plot).write_text(plot.concurrency_svg(series))
+        note = (f"bench.command_path --sweep, {args.sweep_commands} JoinRoom a point, {started}, "
+                f"{os.cpu_count()} cpus, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+        Path(args.plot).write_text(plot.concurrency_svg(series, note=note))
         print(f"plot: {args.plot}")
         return
     for backend in backends:
