@@ -198,21 +198,31 @@ async def ours_drain(backend: str, rows: int, batch: int | None, concurrency: in
                     worker = rt.worker
                     assert worker is not None
                     # The end of the drain is the commit of the finish that reaches N rows: count
-                    # what the repository's finish reports changed (no polling on the hot path).
+                    # what the repository's finishes report changed (no polling on the hot path);
+                    # the worker finishes alone or together with its next claim (finish_and_claim).
                     repo = worker.repository
-                    finish = repo.finish
+                    finish, finish_and_claim = repo.finish, repo.finish_and_claim
                     finished = 0
                     all_done = asyncio.Event()
 
-                    async def counting_finish(**kwargs: Any) -> int:
+                    def count(changed: int) -> None:
                         nonlocal finished
-                        changed = await finish(**kwargs)
                         finished += changed
                         if finished >= rows:
                             all_done.set()
+
+                    async def counting_finish(**kwargs: Any) -> int:
+                        changed = await finish(**kwargs)
+                        count(changed)
                         return changed
 
+                    async def counting_finish_and_claim(**kwargs: Any) -> Any:
+                        changed, claimed = await finish_and_claim(**kwargs)
+                        count(changed)
+                        return changed, claimed
+
                     repo.finish = counting_finish  # type: ignore[method-assign]
+                    repo.finish_and_claim = counting_finish_and_claim  # type: ignore[method-assign]
                     started = time.perf_counter()
                     start_outbox_worker(rt.core, worker)
                     await asyncio.wait_for(all_done.wait(), timeout=DRAIN_TIMEOUT_S)
