@@ -5,7 +5,7 @@ Prints, for SQLite and MariaDB:
     publisher, beside the bare-driver baseline in the same run: the worker's claim and
     guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
     loops in the same number of processes;
-  * commit-to-delivered latency p50/p99 at a steady 200 events/s with poll_interval 1s
+  * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms with poll_interval 1s
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
 
@@ -136,7 +136,10 @@ class InstantPublisher:
         return None
 
 
-async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float = 10.0) -> dict[str, float]:
+async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float = 10.0,
+                              rooms: int = 50) -> dict[str, float]:
+    """Commit -> delivered of JoinRoom commands paced at ``rate`` over ``rooms`` rooms (one room would hit
+    the worker's per-room lane: MAX_ROOM_LANE rows of a room per batch)."""
     async with fresh_database(backend) as url:
         with tempfile.TemporaryDirectory() as data_dir:
             settings = (
@@ -147,7 +150,8 @@ async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float =
             publishers: dict[str, Any] = {"im": InstantPublisher("im"), "activity": InstantPublisher("activity")}
             async with Process.running(settings, publishers=publishers) as rt:
                 svc = rt.service
-                await svc.execute("bench", "lat", "create", c.CreateRoom(owner_id="o", title="latency"))
+                for r in range(rooms):
+                    await svc.execute("bench", f"lat{r}", f"create{r}", c.CreateRoom(owner_id="o", title="latency"))
                 total = int(rate * seconds)
                 start = time.perf_counter()
                 for i in range(total):  # open loop: one command every 1/rate s
@@ -155,7 +159,7 @@ async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float =
                     delay = target - time.perf_counter()
                     if delay > 0:
                         await asyncio.sleep(delay)
-                    await svc.execute("bench", "lat", f"j{i}", c.JoinRoom(user_id=f"u{i}"))
+                    await svc.execute("bench", f"lat{i % rooms}", f"j{i}", c.JoinRoom(user_id=f"u{i}"))
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     async with rt.db.read() as conn:
