@@ -200,7 +200,7 @@ async def idle_cost(backend: str, *, seconds: float = 10.0) -> dict[str, float]:
 
 
 async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: int, seconds: float,
-              idle_s: float) -> None:
+              idle_s: float, rooms: int = 50) -> None:
     for backend in backends:
         for workers in workers_list:
             worker_rate = await worker_drain(backend, workers, rows)
@@ -208,12 +208,13 @@ async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: 
             print(f"[{backend}] {workers} worker(s): {worker_rate:7.0f} events/s   raw claim+finish: "
                   f"{raw_rate:7.0f} events/s (bare driver)   ratio {worker_rate / raw_rate:.2f}x (target >= 0.90)",
                   flush=True)
-        lat = await commit_to_delivered(backend, rate=rate, seconds=seconds)
+        lat = await commit_to_delivered(backend, rate=rate, seconds=seconds, rooms=rooms)
         async with fresh_database(backend) as url:
             await seed(url, 200)
             cycle = await claim_finish_cycles(url, 200)
         cycle_p99 = percentile(cycle, 0.99)
-        print(f"[{backend}] commit-to-delivered at {rate} events/s, poll_interval 1s: p50 {lat['p50']:.0f} ms, "
+        print(f"[{backend}] commit-to-delivered at {rate} events/s over {rooms} room(s), poll_interval 1s: "
+              f"p50 {lat['p50']:.0f} ms, "
               f"p99 {lat['p99']:.0f} ms over {lat['n']:.0f}/{lat['expected']:.0f} events;   bare claim+finish "
               f"cycle p50 {percentile(cycle, 0.5):.1f} ms, p99 {cycle_p99:.1f} ms;   p99 ratio "
               f"{lat['p99'] / max(cycle_p99, 1e-9):.1f}x (issue 12 target <= 3x)", flush=True)
@@ -231,16 +232,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")
     parser.add_argument("--rows", type=int, default=20_000)
-    parser.add_argument("--workers", default="1,2,4", help="worker process counts of the drain")
+    parser.add_argument("--workers", default="1,2,4", help="worker process counts of the drain (\"\": skip the drain)")
     parser.add_argument("--rate", type=int, default=200, help="events/s of the latency run")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
+    parser.add_argument("--rooms", type=int, default=50, help="rooms of the latency run (1: one busy room)")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="length of the idle run (0: skip)")
     args = parser.parse_args()
     configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
     backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
     print(f"outbox drain benchmark: {args.rows} rows, batch {BATCH}; {os.cpu_count()} cpus", flush=True)
-    asyncio.run(run(backends, args.rows, workers_list=[int(n) for n in args.workers.split(",")], rate=args.rate,
-                    seconds=args.seconds, idle_s=args.idle_seconds))
+    workers_list = [int(n) for n in args.workers.split(",") if n.strip()]  # "": the latency run only
+    asyncio.run(run(backends, args.rows, workers_list=workers_list, rate=args.rate,
+                    seconds=args.seconds, idle_s=args.idle_seconds, rooms=args.rooms))
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ async def test_expired_claim_is_overtaken_and_the_late_finish_changes_nothing(
     assert await fast.run_once() == 1
     assert (await row(database, ev.event_id)).status == "delivered"
     outcome = await slow.deliver(claimed)
-    await slow._finish([outcome])  # its late finish is guarded by the claim
+    await slow._finish(slow._decide([outcome]))  # its late finish is guarded by the claim
     r = await row(database, ev.event_id)
     assert (r.status, r.delivered_at_ms) == ("delivered", clock.now_ms)
 
@@ -310,12 +310,23 @@ async def test_pending_only_claims_leave_due_retries_for_the_next_full_claim(dat
         assert {r.event_id for r in hinted} == {fresh.event_id, retry.event_id}
 
 
+async def delivered_in(db: Database, room_id: str) -> int:
+    async with db.read() as conn:
+        return int(
+            await conn.scalar(
+                sa.select(sa.func.count()).select_from(t.room_outbox)
+                .where(t.room_outbox.c.room_id == room_id, t.room_outbox.c.status == "delivered")
+            )
+            or 0
+        )
+
+
 async def test_a_busy_room_cannot_starve_the_others(
     database: Database, make_worker: WorkerFactory, clock: Clock
 ) -> None:
-    """A batch publishes at most MAX_ROOM_LANE rows of one room and sends the rest to the back
-    of the queue: a quiet room waits for one pass over the older rows, not for the busy room's
-    whole backlog to be delivered eight rows at a time."""
+    """A batch whose time is up (slow publishes; here a zero lane budget) publishes MAX_ROOM_LANE
+    rows of one room and sends the rest to the back of the queue: a quiet room waits for one pass
+    over the older rows, not for the busy room's whole backlog to be delivered eight rows at a time."""
     from roomservice.outbox.worker import MAX_ROOM_LANE
 
     busy = [make_event(JOINED, room="busy", version=n + 1) for n in range(60)]
@@ -323,7 +334,7 @@ async def test_a_busy_room_cannot_starve_the_others(
     await insert_rows(database, *busy)
     clock.advance(1)
     await insert_rows(database, quiet, now=clock.now_ms)
-    worker = make_worker(batch_size=20)
+    worker = make_worker(batch_size=20, lane_budget_s=0.0)
     cycles = 0
     while (await row(database, quiet.event_id)).status != "delivered":
         cycles += 1
@@ -336,6 +347,29 @@ async def test_a_busy_room_cannot_starve_the_others(
             .where(t.room_outbox.c.room_id == "busy", t.room_outbox.c.status == "delivered")
         )
     assert delivered_busy == cycles * MAX_ROOM_LANE < len(busy)
+
+
+async def test_one_busy_room_drains_without_a_cycle_per_lane(
+    database: Database, make_worker: WorkerFactory, im: FakePublisher
+) -> None:
+    """Every row of one room due at once: while publishes are fast (within the lane budget) a
+    batch goes on past MAX_ROOM_LANE rows of the room, so the backlog takes a batch per
+    ``batch_size`` rows, not a cycle per eight, and the next cycle never waits for the poll
+    (60 s here: only the commit's wake-up or the worker's own hand-off can carry it)."""
+    from roomservice.outbox.worker import MAX_ROOM_LANE
+
+    rows, batch = 200, 50
+    busy = [make_event(JOINED, room="busy", version=n + 1) for n in range(rows)]
+    await insert_rows(database, *busy)
+    worker = make_worker(batch_size=batch, poll_interval_s=60.0, lane_budget_s=60.0)
+    async with worker:
+        deadline = time.monotonic() + 10
+        while (done := await delivered_in(database, "busy")) < rows:
+            assert time.monotonic() < deadline, f"{done}/{rows} delivered"
+            await asyncio.sleep(0.01)
+    assert im.delivered == [ev.event_id for ev in busy]  # in the room's order, each once
+    # a cycle per eight rows would be rows / MAX_ROOM_LANE = 25 batches
+    assert worker.batches <= rows // batch + 1 < rows // MAX_ROOM_LANE
 
 
 async def test_shutdown_releases_every_claim_of_the_owner(database: Database, make_worker: WorkerFactory) -> None:

@@ -61,6 +61,14 @@ from roomservice.wire import decode_event
 _log = get_logger("roomservice.outbox")
 
 
+FULL_CLAIM_EVERY_S = 0.25
+MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another, at least; the rest wait their turn
+# ... and more while the batch is younger than this: fast publishes keep one busy room's rows
+# flowing (every further row of it would otherwise cost a cycle of its own), slow ones still
+# hand the room's backlog back after MAX_ROOM_LANE rows.
+LANE_BUDGET_S = 0.05
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerOptions:
     mode: PublishMode
@@ -70,6 +78,8 @@ class WorkerOptions:
     lock_timeout_s: float = 30.0
     publish_concurrency: int = 16
     database_timeout_s: float = 5.0  # the deadline of one database call (database.timeout)
+    # a room's lane goes on past MAX_ROOM_LANE rows while its batch is younger than this
+    lane_budget_s: float = LANE_BUDGET_S
 
     @property
     def lock_ms(self) -> int:
@@ -88,10 +98,6 @@ class WorkerOptions:
         publish_timeout, an idle wait within poll_interval, an extension every
         lock_timeout / 3; three of the longest of those is stuck."""
         return 3 * max(self.database_timeout_s, self.publish_timeout_s, self.poll_interval_s, self.extend_every_s)
-
-
-FULL_CLAIM_EVERY_S = 0.25
-MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another; the rest wait their turn
 
 
 # Metric children, looked up once: labels() costs a lock and a dict walk per call.
@@ -172,6 +178,7 @@ class OutboxWorker:
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
         self._needed: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {}  # targets still to reach, sorted
         self._carried: list[ClaimedRow] | None = None  # claimed by the last finish, published next cycle
+        self._deferred = False  # the last cycle handed rows back that were due: no poll sleep before the next
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -230,8 +237,8 @@ class OutboxWorker:
             self._beat()
             if self._stopping:
                 break
-            if taken >= self.options.batch_size or self._wakeup.is_set() or self._carried:
-                continue  # more may be waiting, the last finish claimed some, or someone committed meanwhile
+            if taken >= self.options.batch_size or self._wakeup.is_set() or self._carried or self._deferred:
+                continue  # more may be waiting or was handed back, the last finish claimed some, or someone committed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=self.options.poll_interval_s)
         _log.info("outbox_worker_stopped", owner=self.owner)
@@ -268,6 +275,7 @@ class OutboxWorker:
         and expired rows: for cycles started by a commit's wake-up.
         """
         rows, self._carried = self._carried, None
+        self._deferred = False
         if rows is None:  # nothing claimed by the last finish: claim on its own
             await self._settle()
             if not pending_only:
@@ -290,37 +298,45 @@ class OutboxWorker:
         # before it gets messages and destroyed after them, as the room lived it.
         semaphore = asyncio.Semaphore(self.options.publish_concurrency)
         lanes: dict[tuple[str, str], list[ClaimedRow]] = {}
-        excess: list[ClaimedRow] = []
         for row in sorted(rows, key=lambda r: (r.room_version, r.id)):
-            lane_rows = lanes.setdefault((row.app_code, row.room_id), [])
-            # a lane is published row after row: a busy room's backlog must not hold the batch
-            (lane_rows if len(lane_rows) < MAX_ROOM_LANE else excess).append(row)
-        if excess:
-            await self.repository.defer(owner=self.owner, row_ids=[r.id for r in excess], now_ms=self.clock())
+            lanes.setdefault((row.app_code, row.room_id), []).append(row)
+        started = time.monotonic()
+        budget = self.options.lane_budget_s
+        untried: list[ClaimedRow] = []
 
         async def lane(room_rows: list[ClaimedRow]) -> list[Outcome]:
+            # a lane is published row after row: a busy room's backlog must not hold the batch,
+            # so past MAX_ROOM_LANE rows it stops once the batch is lane_budget_s old
             outcomes = []
-            for row in room_rows:
+            for n, row in enumerate(room_rows):
+                if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
+                    untried.extend(room_rows[n:])
+                    break
                 async with semaphore:
                     outcomes.append(await self.deliver(row))
             return outcomes
 
-        held = [row.id for room_rows in lanes.values() for row in room_rows]
-        keeper = asyncio.create_task(self._keep_claims(held), name=f"outbox-claims-{self.owner}")
+        keeper = asyncio.create_task(self._keep_claims([r.id for r in rows]), name=f"outbox-claims-{self.owner}")
         try:
             per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
+        # decided before the deferral is written: if that fails, the next cycle writes this
+        # finish first and then hands the untried rows back (release), none delivered twice
+        decided = self._unfinished = self._decide([outcome for outcomes in per_room for outcome in outcomes])
+        if untried:  # never attempted: to the back of the queue, behind the other rooms' rows
+            await self.repository.defer(owner=self.owner, row_ids=[r.id for r in untried], now_ms=self.clock())
+            self._deferred = True
         # every claimed row is now deferred or decided: a failed finish is retried as it is
         self._may_hold_claims = False
-        await self._finish([outcome for outcomes in per_room for outcome in outcomes])
+        await self._finish(decided)
         return len(rows)
 
-    async def _finish(self, outcomes: list[Outcome]) -> None:
-        """Decide how each row ends and write it, claiming the next batch in the same
-        transaction; a write that fails is retried (finish alone) next cycle."""
-        decided = self._unfinished = self._decide(outcomes)
+    async def _finish(self, decided: _Finish) -> None:
+        """Write a batch's decisions, claiming the next batch in the same transaction;
+        a write that fails is retried (finish alone) next cycle."""
+        self._unfinished = decided
         if self._stopping:  # no new claims while stopping
             await self._settle()
             return
