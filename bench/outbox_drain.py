@@ -5,7 +5,7 @@ Prints, for SQLite and MariaDB:
     publisher, beside the bare-driver baseline in the same run: the worker's claim and
     guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
     loops in the same number of processes;
-  * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms with poll_interval 1s
+  * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms (--rooms) with poll_interval 1s
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
 
