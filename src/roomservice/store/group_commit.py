@@ -6,13 +6,14 @@ every backend:
 
 * A caller is answered only after the transaction that holds its mutation has
   committed (or failed): never before the shared COMMIT.
-* ``commit_batch`` returns one outcome per mutation, ``None`` or the exception
-  that mutation alone failed with (a stale version or lease epoch, a reused
-  command_id): a mutation that fails fails alone, the others commit.
+* ``commit_batch`` returns one result per mutation: its value, or :class:`Failed`
+  with the exception that mutation alone failed with (a stale version or lease
+  epoch, a reused command_id): a mutation that fails fails alone, the others commit.
 * When the shared transaction itself fails (the database did not answer, the
   COMMIT failed), every caller in it gets that error: a write whose outcome is
   unknown, so each cell is reloaded.
-* Each caller's wait (queue plus transaction) has the database deadline ``D``. A
+* Each caller's wait (queue plus transaction) has a deadline (the store's: the
+  database deadline ``D``; ``None``: the caller brings its own). A
   caller that gave up (deadline, cancelled) before its batch was taken is left
   out of it; once taken, its outcome stands in the database whatever it was told.
 
@@ -21,53 +22,69 @@ mutation per room. ``lanes`` shared transactions may be in flight at once: 1 for
 SQLite (one writer), a few for MySQL/MariaDB, where the transactions of
 different rooms do not wait for each other; a mutation that arrives while every
 lane is busy waits for the next free one and goes with whatever queued beside it.
+
+The same queue serves other small writes that pile up on SQLite's one writer
+(embedded broker publishes and acks, consumers' records): :mod:`roomservice.coalesce`.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 U = TypeVar("U")
+R = TypeVar("R")
 
-CommitBatch = Callable[[list[U]], Awaitable[Sequence[Exception | None]]]
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """One unit's result when it failed alone (the others of its batch committed): raised to its caller."""
+
+    error: Exception
 
 
-class GroupCommit(Generic[U]):
+CommitBatch = Callable[[list[U]], Awaitable[Sequence["R | Failed"]]]
+
+
+class GroupCommit(Generic[U, R]):
     """The queue of mutations waiting for a shared transaction, and who gets which answer."""
 
-    def __init__(self, commit_batch: CommitBatch[U], *, lanes: int, max_batch: int, timeout_s: float) -> None:
+    def __init__(
+        self, commit_batch: CommitBatch[U, R], *, lanes: int, max_batch: int, timeout_s: float | None
+    ) -> None:
         if lanes < 1 or max_batch < 1:
             raise ValueError("lanes and max_batch must be at least 1")
         self._commit_batch = commit_batch
         self._lanes = lanes
         self._max_batch = max_batch
         self._timeout_s = timeout_s
-        self._queue: list[tuple[U, asyncio.Future[None]]] = []
+        self._queue: list[tuple[U, asyncio.Future[R]]] = []
         self._drainers: set[asyncio.Task[None]] = set()  # held so a task is not collected mid-run
         self.transactions = 0  # shared transactions started
         self.mutations = 0  # mutations they carried
 
-    async def save(self, unit: U) -> None:
-        """Queue ``unit`` and return once the transaction that carried it committed; raise its failure."""
+    async def save(self, unit: U) -> R:
+        """Queue ``unit`` and return its result once the transaction that carried it committed;
+        raise its failure."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
+        future: asyncio.Future[R] = loop.create_future()
         self._queue.append((unit, future))
         if len(self._drainers) < self._lanes:
             task = loop.create_task(self._drain(), name="store-group-commit")
             self._drainers.add(task)
         try:
             async with asyncio.timeout(self._timeout_s):
-                await future  # a timeout or a cancellation cancels the future: a batch not taken skips it
+                return await future  # a timeout or a cancellation cancels the future: a batch not taken skips it
         except TimeoutError as exc:
             raise StoreDeadlineExceeded(f"database call exceeded its {self._timeout_s:g}s deadline") from exc
 
-    def _take(self) -> list[tuple[U, asyncio.Future[None]]]:
+    def _take(self) -> list[tuple[U, asyncio.Future[R]]]:
         """The next batch: up to ``max_batch`` queued mutations whose callers still wait."""
-        batch: list[tuple[U, asyncio.Future[None]]] = []
+        batch: list[tuple[U, asyncio.Future[R]]] = []
         while self._queue and len(batch) < self._max_batch:
             room = self._max_batch - len(batch)
             taken, self._queue = self._queue[:room], self._queue[room:]
@@ -93,10 +110,10 @@ class GroupCommit(Generic[U]):
                 for (_, future), outcome in zip(batch, outcomes, strict=True):
                     if future.done():  # its caller gave up; the outcome stands in the database
                         continue
-                    if outcome is None:
-                        future.set_result(None)
+                    if isinstance(outcome, Failed):
+                        future.set_exception(outcome.error)
                     else:
-                        future.set_exception(outcome)
+                        future.set_result(outcome)
         except asyncio.CancelledError:
             if len(self._drainers) == 1:  # the last lane, cancelled (shutdown): nobody takes the rest
                 for _, future in self._queue:

@@ -46,7 +46,7 @@ from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
 from roomservice.store.database import Database
-from roomservice.store.group_commit import GroupCommit
+from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
     CommandIdTaken,
     LoadedRoom,
@@ -213,7 +213,7 @@ class SqlRoomStore:
         self._insert_snapshot = db.insert_ignoring_duplicates(room_snapshot)
         # Mutations that queue behind a commit share the next one (see store.group_commit).
         lanes, max_batch = (_SQLITE_LANES, _SQLITE_MAX_BATCH) if db.is_sqlite else (_MYSQL_LANES, _MYSQL_MAX_BATCH)
-        self._group_commit: GroupCommit[_MutationUnit] = GroupCommit(
+        self._group_commit: GroupCommit[_MutationUnit, None] = GroupCommit(
             self._commit_batch, lanes=lanes, max_batch=max_batch, timeout_s=db.timeout_s
         )
         self.retried_alone = 0  # batches rolled back and retried one mutation at a time
@@ -278,7 +278,7 @@ class SqlRoomStore:
         gc = self._group_commit
         return {"transactions": gc.transactions, "mutations": gc.mutations, "retried_alone": self.retried_alone}
 
-    async def _commit_batch(self, units: list[_MutationUnit]) -> list[Exception | None]:
+    async def _commit_batch(self, units: list[_MutationUnit]) -> list[Failed | None]:
         if len(units) == 1:
             return [await _outcome_of(self.db.run_write(_save_mutation, *units[0]))]
         try:
@@ -426,7 +426,7 @@ class _RetryAlone(Exception):
     database did not say): each mutation of it is retried in a transaction of its own."""
 
 
-def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> list[Exception | None]:
+def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> list[Failed | None]:
     """The shared transaction, without a SAVEPOINT per mutation: the guarded meta write of
     each mutation, then every command log row in one INSERT and every outbox row in another.
 
@@ -435,7 +435,7 @@ def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> li
     alone and its rows are left out. A failure that cannot be pinned on one mutation (a reused
     command_id in the shared INSERT, a deadlock) raises :class:`_RetryAlone`.
     """
-    outcomes: list[Exception | None] = [None] * len(units)
+    outcomes: list[Failed | None] = [None] * len(units)
     commands: list[dict[str, Any]] = []
     outbox: list[dict[str, Any]] = []
     # rooms in key order: two batches (of two processes) never lock the same rooms crosswise
@@ -446,7 +446,7 @@ def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> li
             try:
                 _write_meta(conn, m, meta_guard, meta_values)
             except StoreConflict as conflict:
-                outcomes[i] = conflict
+                outcomes[i] = Failed(conflict)
                 continue
             commands.append(command)
             outbox.extend(rows)
@@ -463,12 +463,12 @@ def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> li
     return outcomes
 
 
-async def _outcome_of(write: Awaitable[None]) -> Exception | None:
+async def _outcome_of(write: Awaitable[None]) -> Failed | None:
     """None when ``write`` committed, else the exception it failed with."""
     try:
         await write
     except Exception as failure:
-        return failure
+        return Failed(failure)
     return None
 
 
