@@ -56,13 +56,11 @@ from typing import Any
 
 import nats
 import redis
-import sqlalchemy as sa
 
-from bench.command_path import bare_run
+from bench.command_path import bare_run, stored_join_sizes
 from bench.common import fresh_database, percentile
 from bench.http_commands import KeepAliveClient
 from roomservice.durations import parse_duration
-from roomservice.store import tables as t
 from roomservice.store.database import Database
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -291,20 +289,9 @@ async def row_sizes(database_url: str) -> list[int]:
     db = Database.from_url(database_url)
     try:
         async with db.read() as conn:
-            sizes = (
-                await conn.execute(
-                    sa.select(
-                        sa.func.avg(sa.func.length(t.room_command_log.c.command)),
-                        sa.func.avg(sa.func.length(t.room_command_log.c.events)),
-                        sa.func.avg(sa.func.length(t.room_command_log.c.response)),
-                        sa.func.avg(sa.func.length(t.room_command_log.c.timing)),
-                        sa.select(sa.func.avg(sa.func.length(t.room_outbox.c.payload))).scalar_subquery(),
-                    ).where(t.room_command_log.c.command_type == "JoinRoom")
-                )
-            ).one()
+            return await stored_join_sizes(conn)
     finally:
         await db.dispose()
-    return [int(float(x or 0)) for x in sizes]
 
 
 # --------------------------------------------------------------------------- forwarding
