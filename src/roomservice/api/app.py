@@ -18,6 +18,7 @@ from roomservice.api import schemas as s
 from roomservice.api.body_limit import ClosesConnection
 from roomservice.api.edge import Edge, token_ok
 from roomservice.api.errors import error_response, from_http_exception
+from roomservice.api.fast_path import CommandFastPath, FastRoute
 from roomservice.api.routing import BodyPolicy, JsonRoute, command_endpoint, entering_pipeline
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
@@ -86,6 +87,7 @@ class ApiContext:
     body_read_timeout_s: float = 10.0  # http.body_read_timeout: the whole body must arrive within it
     forwarder: Forwarder | None = None  # commands and the room view go through it (to the room's owner)
     console: Console | None = None  # serves the operators' web console under /console/ when set
+    fast_commands: bool = True  # the command routes through api/fast_path.py (False: FastAPI's routing only)
 
 
 def _answer(body: dict[str, Any]) -> Response:
@@ -141,7 +143,8 @@ def create_app(ctx: ApiContext) -> FastAPI:
         # the event loop's time under HTTP commands, py-spy; issue 12)
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
-    app.router.route_class = JsonRoute.with_policy(BodyPolicy(read_timeout_s=ctx.body_read_timeout_s))
+    policy = BodyPolicy(read_timeout_s=ctx.body_read_timeout_s)
+    app.router.route_class = JsonRoute.with_policy(policy)
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -260,6 +263,17 @@ def create_app(ctx: ApiContext) -> FastAPI:
 
         mount(app, ctx.console)
 
+    if ctx.fast_commands:  # innermost: Edge and tracing apply to it as to every route
+        named = {getattr(route, "name", None): route for route in app.router.routes}
+        fast_routes = [FastRoute("", s.CreateRoomBody, named["create_room"])]
+        fast_routes += [FastRoute(suffix, body, named[name]) for name, (suffix, body, _, _) in _COMMANDS.items()]
+        app.add_middleware(
+            CommandFastPath,
+            routes=fast_routes,
+            execute=execute,
+            max_bytes=policy.max_bytes,
+            read_timeout_s=policy.read_timeout_s,
+        )
     app.add_middleware(Edge, admin_token=ctx.admin_token)
     if tracing.ENABLED:  # outermost: the request's span covers everything the app does
         app.add_middleware(tracing.HttpServerSpans)

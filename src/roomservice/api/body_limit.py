@@ -19,6 +19,8 @@ from starlette.types import Message
 
 from roomservice import errors
 
+DEADLINE_SCOPE_KEY: Final = "roomservice.body_deadline"  # loop time by which the body must have arrived
+
 
 class ClosesConnection:
     """Marks an error whose answer carries ``Connection: close`` (the rest of the request is not read)."""
@@ -33,14 +35,21 @@ class ClientGone(Exception):
 
 
 async def read_body(request: Request, *, max_bytes: int, timeout_s: float) -> bytes:
-    """The whole body of ``request``; raises PayloadTooLarge, BodyReadTimeout or ClientGone."""
+    """The whole body of ``request``; raises PayloadTooLarge, BodyReadTimeout or ClientGone.
+
+    The deadline is ``timeout_s`` from now, or the one in the scope (``DEADLINE_SCOPE_KEY``) when a reader
+    before this one (:mod:`.fast_path`) started the clock and handed the request on.
+    """
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise errors.PayloadTooLarge(f"request body over {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
     try:
-        async with asyncio.timeout(timeout_s):
+        deadline = request.scope.get(DEADLINE_SCOPE_KEY)
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+        async with asyncio.timeout_at(deadline):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > max_bytes:

@@ -1,0 +1,189 @@
+"""The write-command routes served without FastAPI's routing and dependency machinery (issue 12, item 4).
+
+A command request through FastAPI costs the server ~4× a ``/healthz`` before
+the pipeline starts (the route table walked, dependencies solved, the body
+model validated through FastAPI's field machinery, a Response object built):
+~300 µs of CPU a join, measured ASGI-direct on this project's machine. This
+middleware answers the requests it can answer exactly as FastAPI would, and
+hands every other request to the app untouched:
+
+* it takes only ``POST`` on a command route's path whose path parameters pass
+  the same limits as the route's own ``Path`` declarations;
+* it reads the body (what it consumed is replayed to the app if it hands the
+  request over, with the read deadline the request started with, so a body
+  that never comes is refused in the same time as without this path);
+* it answers only when the body is ``application/json`` in UTF-8, parses
+  strictly (:mod:`.json_body`) to an object and validates against the route's
+  body model; anything else — too large, late, not JSON, a duplicate key,
+  failing validation, a client that went away — is handed to the app, which
+  answers it in the error shape and logs the refused command
+  (:mod:`.routing`), as it does for every request that does not come here;
+* then the command goes to the pipeline (which logs ``room_command_timing``)
+  and its body is answered with orjson; an error of the pipeline gets the
+  error shape of :func:`.errors.error_response`, anything unexpected
+  propagates to the app's server-error handler as from a route.
+
+It sits inside :class:`.edge.Edge` (encoded slashes, admin) and the tracing
+middleware, so those apply to it as to every route; ``scope["route"]`` names
+the FastAPI route, so a span is named by its template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from roomservice import errors
+from roomservice.api import json_body
+from roomservice.api import schemas as s
+from roomservice.api.body_limit import DEADLINE_SCOPE_KEY
+from roomservice.api.errors import error_response
+from roomservice.domain import commands as c
+from roomservice.domain import limits as lim
+
+Execute = Callable[[str, str, str, c.Command], Awaitable[dict[str, Any]]]
+
+_APP = r"(?P<app_code>[^/]+)"
+_ROOM = r"(?P<room_id>[^/]+)"
+
+
+@dataclass(frozen=True, slots=True)
+class FastRoute:
+    """One command route: the path after ``/v1/apps/{app_code}/rooms`` (``""`` for CreateRoom), its body model."""
+
+    suffix: str
+    body: type[s._Body]
+    route: Any = None  # the FastAPI route of the same path (scope["route"], for the span's name)
+
+
+def _pattern(routes: Sequence[FastRoute]) -> re.Pattern[str]:
+    create = [r for r in routes if not r.suffix]
+    others = "|".join(re.escape(r.suffix) for r in routes if r.suffix)
+    parts = [rf"/{_ROOM}/(?P<suffix>{others})"] if others else []
+    if create:
+        parts.append("")  # /v1/apps/{app_code}/rooms
+    return re.compile(rf"/v1/apps/{_APP}/rooms(?:{'|'.join(parts)})")
+
+
+class CommandFastPath:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        routes: Sequence[FastRoute],
+        execute: Execute,
+        max_bytes: int,
+        read_timeout_s: float,
+    ) -> None:
+        self.app = app
+        self.execute = execute
+        self.max_bytes = max_bytes
+        self.read_timeout_s = read_timeout_s
+        self._by_suffix = {r.suffix: r for r in routes}
+        self._path = _pattern(routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        match = self._path.fullmatch(scope["path"])
+        route = None if match is None else self._by_suffix.get(match["suffix"] or "")
+        if match is None or route is None or not _valid_path(match["app_code"], match["room_id"]):
+            await self.app(scope, receive, send)
+            return
+        body, consumed = await self._read(scope, receive)
+        value = self._value(scope, body, route)
+        if value is None:  # anything unusual: the app answers it, from the same bytes and deadline
+            await self.app(scope, _replaying(consumed, receive), send)
+            return
+        app_code = match["app_code"]
+        room_id = value.room_id if isinstance(value, s.CreateRoomBody) else match["room_id"]
+        scope["route"] = route.route
+        scope["path_params"] = {"app_code": app_code, "room_id": room_id} if route.suffix else {"app_code": app_code}
+        try:
+            answer = await self.execute(app_code, room_id, value.command_id, value.to_command())
+        except errors.RoomServiceError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        payload = orjson.dumps(answer)
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", str(len(payload)).encode("ascii")), (b"content-type", b"application/json")],
+        })
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _read(self, scope: Scope, receive: Receive) -> tuple[bytes | None, list[Message]]:
+        """The whole body, or None when it is not plainly there; and every message consumed, to replay."""
+        consumed: list[Message] = []
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return None, consumed
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout_s
+        scope[DEADLINE_SCOPE_KEY] = deadline  # if the app reads it again, it has what is left of this deadline
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    message = await receive()
+                    consumed.append(message)
+                    if message["type"] != "http.request":
+                        return None, consumed  # the client went away
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        return None, consumed
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks), consumed
+        except TimeoutError:
+            return None, consumed
+
+    @staticmethod
+    def _value(scope: Scope, body: bytes | None, route: FastRoute) -> s._Body | None:
+        if body is None:
+            return None
+        try:
+            json_body.check_media_type(_header(scope, b"content-type"))
+            parsed = json_body.parse(body)
+        except errors.InvalidArgument:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        try:
+            return route.body.model_validate(parsed)
+        except ValidationError:
+            return None
+
+
+def _valid_path(app_code: str, room_id: str | None) -> bool:
+    return lim.valid_app_code(app_code) and (room_id is None or lim.valid_room_id(room_id))
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            decoded: str = value.decode("latin-1")
+            return decoded
+    return None
+
+
+def _replaying(consumed: list[Message], receive: Receive) -> Receive:
+    """``receive`` as if nothing had been read from it: the consumed messages first, in order."""
+    pending = list(consumed)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replay
