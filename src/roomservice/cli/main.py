@@ -35,6 +35,7 @@ import uvicorn
 from roomservice.admin.broker_cli import broker_app
 from roomservice.admin.cli import outbox_app
 from roomservice.cli.activity_cmd import leaderboard_command
+from roomservice.cli.collector import settle_after_start
 from roomservice.cli.config_cmd import config_app
 from roomservice.cli.options import (
     HELP_MARKUP,
@@ -179,6 +180,7 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
             actual_port = bound[0][1] if bound else port
             (data_dir / "http-port").write_text(f"{actual_port}\n")
             log.info("serving", host=host, port=actual_port, data_dir=str(data_dir))
+            settle_after_start()
         stopping = asyncio.create_task(stop.requested.wait())
         try:
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,6 +223,7 @@ async def _work(settings: Settings, data_dir: Path) -> None:
         restrict_database_files(settings)
         _write_grpc_port(runtime, data_dir)
         get_logger("roomservice.cli").info("worker_running", publish_mode=settings.outbox_worker.publish_mode)
+        settle_after_start()
         await stop.requested.wait()
     stop.complete()
 
@@ -269,6 +272,7 @@ async def _consume(settings: Settings, groups: frozenset[str], data_dir: Path) -
         restrict_database_files(settings)
         _write_grpc_port(runtime, data_dir)
         get_logger("roomservice.cli").info("consumer_running", groups=sorted(groups))
+        settle_after_start()
         await stop.requested.wait()
     stop.complete()
 
