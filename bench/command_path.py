@@ -38,6 +38,7 @@ from bench.common import describe, fresh_database, percentile, run_concurrently
 from roomservice import errors
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.cell.cell import RoomCell
+from roomservice.cli.collector import settle_after_start
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
 from roomservice.domain.decider import decide, replay, stamp
@@ -82,6 +83,7 @@ async def execute_retrying(svc: Any, app: str, room: str, command_id: str, comma
 async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY, load: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data_dir:
         async with Process.running(_settings(url, data_dir), roles=(API, MAINTENANCE), loops=False) as rt:
+            settle_after_start()  # the collector as `serve` runs it (cli/collector.py)
             svc = rt.service
             retried = [0]
             await run_concurrently(
