@@ -210,39 +210,44 @@ def evolve(state: RoomState | None, event: e.Event) -> RoomState:
         )
     if state is None:
         raise ValueError(f"{p.type} before RoomCreated in {event.app_code}/{event.room_id}")
-    state = state.with_(version=event.room_version)
+    version = event.room_version  # set together with the change: one copy of the state per event
     if isinstance(p, e.RoomUserJoined):
         bans = state.bans
         if p.user_id in bans:
             bans = {u: t for u, t in bans.items() if u != p.user_id}
-        return state.with_(members={**state.members, p.user_id: event.occurred_at_ms}, bans=bans)
+        return state.with_(version=version, members={**state.members, p.user_id: event.occurred_at_ms}, bans=bans)
     if isinstance(p, e.RoomUserLeft):
-        return state.with_(members=_without(state.members, p.user_id))
+        return state.with_(version=version, members=_without(state.members, p.user_id))
     if isinstance(p, e.RoomMicTaken):
-        return state.with_(seats=_set_seat(state.seats, p.seat, p.user_id))
+        return state.with_(version=version, seats=_set_seat(state.seats, p.seat, p.user_id))
     if isinstance(p, e.RoomMicLeft):
-        return state.with_(seats=_set_seat(state.seats, p.seat, None))
+        return state.with_(version=version, seats=_set_seat(state.seats, p.seat, None))
     if isinstance(p, e.RoomGiftSent):
         t = state.treasure.on_day(utc_day(event.occurred_at_ms))
         return state.with_(
+            version=version,
             heat=state.heat + p.total_value,
             treasure=TreasureState(day=t.day, energy=t.energy + p.total_value, opened=t.opened, box=t.box),
         )
     if isinstance(p, e.RoomUserKicked):
         return state.with_(
+            version=version,
             members=_without(state.members, p.target_id),
             bans={**state.bans, p.target_id: p.banned_until_ms},
         )
     if isinstance(p, e.RoomClosed):  # a box mid-countdown never opens
         t = state.treasure
-        return state.with_(status=CLOSED, treasure=TreasureState(day=t.day, energy=t.energy, opened=t.opened))
+        closed = TreasureState(day=t.day, energy=t.energy, opened=t.opened)
+        return state.with_(version=version, status=CLOSED, treasure=closed)
     if isinstance(p, e.RoomTreasureCountdownStarted):
         t = state.treasure.on_day(utc_day(event.occurred_at_ms))
         box = PendingBox(box_id=p.box_id, level=p.level, open_at_ms=p.open_at_ms)
-        return state.with_(treasure=TreasureState(day=t.day, energy=t.energy, opened=t.opened, box=box))
+        counting = TreasureState(day=t.day, energy=t.energy, opened=t.opened, box=box)
+        return state.with_(version=version, treasure=counting)
     if isinstance(p, e.RoomTreasureOpened):
         t = state.treasure.on_day(utc_day(event.occurred_at_ms))
-        return state.with_(treasure=TreasureState(day=t.day, energy=t.energy, opened=p.level, box=None))
+        opened = TreasureState(day=t.day, energy=t.energy, opened=p.level, box=None)
+        return state.with_(version=version, treasure=opened)
     raise ValueError(f"unknown event type {p.type}")
 
 
