@@ -8,11 +8,14 @@ Prints, for SQLite and MariaDB:
     concurrency), and, labelled, the same transaction through SQLAlchemy;
   * p50/p99 command latency; Room Cell load time (snapshot + snapshot_every_n - 1 log rows);
   * memory per room for 10,000 rooms of 10 members;
+  * with --gifts: after the joins, as many SendGift commands (each joined user sends one
+    rose to the owner: a debit of the embedded wallet per gift), their rate and CPU
+    beside the joins' (the gift path of issue 12; no bare baseline of its own);
   * with --sweep: throughput and p99 against concurrency, drawn to an SVG (--plot).
 
 HTTP is measured by bench.http_commands.
 
-    .venv/bin/python -m bench.command_path [--backend sqlite|mariadb|both] [--commands N] [--rounds R]
+    .venv/bin/python -m bench.command_path [--backend sqlite|mariadb|both] [--commands N] [--rounds R] [--gifts]
     .venv/bin/python -m bench.command_path --sweep 1,2,4,8,16,32,64,128,256 [--plot docs/bench-concurrency.svg]
 """
 
@@ -80,7 +83,9 @@ async def execute_retrying(svc: Any, app: str, room: str, command_id: str, comma
             await asyncio.sleep(0.05 * (attempt + 1))
 
 
-async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY, load: bool = True) -> dict[str, Any]:
+async def service_run(
+    url: str, commands: int, *, concurrency: int = CONCURRENCY, load: bool = True, gifts: bool = False
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as data_dir:
         async with Process.running(_settings(url, data_dir), roles=(API, MAINTENANCE), loops=False) as rt:
             settle_after_start()  # the collector as `serve` runs it (cli/collector.py)
@@ -102,6 +107,7 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
                                            retried),
             )
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            gift = await gift_run(svc, commands, concurrency) if gifts else None
             async with rt.db.read() as conn:
                 sizes = await stored_join_sizes(conn)
             loaded = await cell_load_time(rt) if load else None
@@ -112,7 +118,23 @@ async def service_run(url: str, commands: int, *, concurrency: int = CONCURRENCY
         "latencies": latencies,
         "sizes": sizes,
         "load": loaded,
+        "gift": gift,
     }
+
+
+async def gift_run(svc: Any, commands: int, concurrency: int) -> dict[str, Any]:
+    """SendGift by each user the join phase joined: one rose to the room's owner."""
+    retried = [0]
+    start, cpu = time.perf_counter(), time.process_time()
+    latencies = await run_concurrently(
+        concurrency,
+        list(range(commands)),
+        lambda i: execute_retrying(svc, APP, f"room{i % ROOMS}", f"gift-{i}",
+                                   c.SendGift(sender_id=f"user{i}", receiver_id="owner", gift_id="rose", count=1),
+                                   retried),
+    )
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"cps": commands / elapsed, "cpu_us": cpu / commands * 1e6, "retried": retried[0], "latencies": latencies}
 
 
 async def cell_load_time(rt: Process) -> dict[str, float]:
@@ -252,16 +274,21 @@ def report(backend: str, svc: dict[str, Any], bare_: dict[str, Any], orm: dict[s
     print(f"[{backend}] command latency: {describe(svc['latencies'])}")
     print(f"[{backend}] bare latency: {describe(bare_['latencies'])}")
     print(f"[{backend}] row sizes (command, events, response, timing, outbox payload bytes): {svc['sizes']}")
+    gift = svc.get("gift")
+    if gift:
+        print(f"[{backend}] gifts: {gift['cps']:8.0f} cmd/s ({gift['cps'] / svc['cps']:.2f}x the joins'), "
+              f"CPU {gift['cpu_us']:.0f} us per gift ({gift['cpu_us'] / svc['cpu_us']:.2f}x a join's), "
+              f"{gift['retried']} retried; latency {describe(gift['latencies'])}", flush=True)
     load = svc.get("load")
     if load:
         print(f"[{backend}] Room Cell load (snapshot + {int(load['log_rows'])} log rows): "
               f"p50 {load['p50']:.2f} ms, p99 {load['p99']:.2f} ms", flush=True)
 
 
-async def bench_backend(backend: str, commands: int, *, rounds: int, orm: bool) -> None:
+async def bench_backend(backend: str, commands: int, *, rounds: int, orm: bool, gifts: bool) -> None:
     for round_ in range(rounds):
         async with fresh_database(backend) as url:
-            svc = await service_run(url, commands, load=round_ == 0)
+            svc = await service_run(url, commands, load=round_ == 0, gifts=gifts)
         async with fresh_database(backend) as url:
             bare_ = await bare_run(url, commands, svc["sizes"])
         orm_ = None
@@ -298,6 +325,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="", help="concurrencies for the plot, e.g. 1,2,4,8,16,32,64,128,256")
     parser.add_argument("--sweep-commands", type=int, default=3_000)
     parser.add_argument("--plot", default="docs/bench-concurrency.svg", help="where the sweep's SVG goes")
+    parser.add_argument("--gifts", action="store_true", help="also time a SendGift per joined user")
     args = parser.parse_args()
     # room_command_timing stays on (it is part of the command path) but goes nowhere.
     configure_logging(level="info", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
@@ -316,7 +344,8 @@ def main() -> None:
         print(f"plot: {args.plot}")
         return
     for backend in backends:
-        asyncio.run(bench_backend(backend, args.commands, rounds=args.rounds, orm=not args.no_sqlalchemy))
+        asyncio.run(bench_backend(backend, args.commands, rounds=args.rounds, orm=not args.no_sqlalchemy,
+                                  gifts=args.gifts))
     if args.rooms:
         mem = memory_per_room(rooms=args.rooms)
         print(f"[memory] {args.rooms:,} rooms x 10 members: {mem['traced_bytes_per_room'] / 1024:.1f} KiB/room "

@@ -3,6 +3,10 @@
     idempotency -> lease + Room Cell -> decide on the current state -> wallet debit (gifts)
     -> SaveMutation -> apply -> snapshot -> projections -> IM group (CreateRoom) -> respond
 
+With the embedded wallet (``commit_wallet``) a gift's debit is a write of its own
+SaveMutation transaction instead of a call before it: it commits with the command or
+not at all, so it is neither journaled nor preceded by a command log lookup.
+
 Every command, success or failure, logs one ``room_command_timing`` line.
 Nothing external is awaited between deciding and committing except the wallet,
 and nothing after the commit can fail the command.
@@ -39,6 +43,7 @@ from roomservice.observability.logging import get_logger
 from roomservice.observability.timing import CommandTiming, Stopwatch
 from roomservice.projections.port import Projections
 from roomservice.store.port import (
+    AttachedWrite,
     CommandIdTaken,
     LoggedCommand,
     Mutation,
@@ -48,6 +53,7 @@ from roomservice.store.port import (
 )
 from roomservice.wallet.journal import DebitJournal, JournalEntry
 from roomservice.wallet.port import (
+    CommitWallet,
     DebitKeyConflict,
     InsufficientFunds,
     Wallet,
@@ -121,6 +127,8 @@ class RoomService:
     new_event_id: Callable[[], str] = new_event_id
     # called after every commit that wrote outbox rows (wakes the local outbox worker)
     on_outbox_commit: list[Callable[[], None]] = field(default_factory=list)
+    # ``wallet`` again when its ledger is in the store's database: debits go into the commit
+    commit_wallet: CommitWallet | None = None
 
     # ------------------------------------------------------------------ writes
 
@@ -201,11 +209,12 @@ class RoomService:
         command_fields = command.to_dict()
         print_ = fingerprint(command, command_fields)
         # Idempotency: the command log's unique (room, command_id) key is the authority.
-        # Recent ids are answered from the cell; a gift, whose wallet debit must not run
-        # for a reused id, is looked up before anything else; any other command finds
-        # out at commit (CommandIdTaken) or when the current state rejects it.
+        # Recent ids are answered from the cell; a gift whose wallet debit goes out before
+        # the commit (an external wallet), and must not for a reused id, is looked up
+        # before anything else; any other command (a gift with its debit in the commit
+        # too) finds out at commit (CommandIdTaken) or when the current state rejects it.
         logged = cell.remembered(command_id)
-        if logged is None and isinstance(command, c.SendGift):
+        if logged is None and isinstance(command, c.SendGift) and self.commit_wallet is None:
             logged = await self.store.find_command(app_code, room_id, command_id)
         timing.idempotency_ms = watch.lap()
         if logged is not None:
@@ -232,9 +241,18 @@ class RoomService:
         timing.tencent_im_async_outbox = touches(types, Target.IM)
 
         gift = next((p for p in payloads if isinstance(p, e.RoomGiftSent)), None)
+        attached: AttachedWrite | None = None
         if gift is not None:
             watch.lap()
-            await self._debit(app_code, room_id, command_id, gift, now_ms)
+            if self.commit_wallet is None:
+                await self._debit(app_code, room_id, command_id, gift, now_ms)
+            else:  # written by save_mutation; this is its preparation only
+                attached = await self.commit_wallet.debit_in_commit(
+                    key=debit_key(app_code, room_id, command_id),
+                    app_code=app_code,
+                    user_id=gift.sender_id,
+                    amount=gift.total_value,
+                )
             timing.wallet_debit_ms = watch.lap()
 
         body = self._body(after, events, now_ms)
@@ -253,6 +271,7 @@ class RoomService:
             state_after=after,
             trace_context=tracing.current_traceparent(),  # stored with the outbox rows
             timing=stored_timing(timing),
+            attached=attached,
         )
         watch.lap()
         try:
@@ -264,6 +283,14 @@ class RoomService:
                 raise errors.Retry("command_id race; retry") from None
             cell.remember(logged)
             return self._replay(logged, print_, timing)
+        except (InsufficientFunds, DebitKeyConflict) as exc:
+            # the debit in the commit was refused, nothing written; a retry of a committed
+            # gift (not looked up first) answers as it did then, whatever the balance now
+            logged = await self.store.find_command(app_code, room_id, command_id)
+            if logged is not None:
+                cell.remember(logged)
+                return self._replay(logged, print_, timing)
+            raise _refusal(exc) from exc
         except StoreUnavailable as exc:
             # the commit may or may not have happened: never trust this cell's state again
             await self.registry.retire(cell)
@@ -323,9 +350,9 @@ class RoomService:
                 await self.wallet.debit(key=key, app_code=app_code, user_id=gift.sender_id, amount=gift.total_value)
         except InsufficientFunds as exc:
             await self.journal.forget(key)
-            raise errors.InsufficientBalance() from exc
+            raise _refusal(exc) from exc
         except DebitKeyConflict as exc:
-            raise errors.CommandIdReused("command_id was already used for a different gift") from exc
+            raise _refusal(exc) from exc
         except (WalletUnavailable, TimeoutError) as exc:
             _log.warning("wallet_unavailable", debit_key=key, error=repr(exc))
             raise errors.Unavailable("wallet unavailable; retry with the same command_id") from exc
@@ -379,3 +406,10 @@ class RoomService:
 
     def gifts(self) -> list[dict[str, object]]:
         return [{"id": g.id, "name": g.name, "price": g.price} for g in self.rules.gifts.values()]
+
+
+def _refusal(exc: InsufficientFunds | DebitKeyConflict) -> errors.RoomServiceError:
+    """The answer to a debit the wallet refused (nothing was debited)."""
+    if isinstance(exc, InsufficientFunds):
+        return errors.InsufficientBalance()
+    return errors.CommandIdReused("command_id was already used for a different gift")

@@ -101,11 +101,14 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
     registry = CellRegistry(store=store, leases=leases, idle_after_s=settings.room.idle_evict_after.total_seconds())
     if isinstance(leases, RedisLeases):
         leases.on_lost = _evict_on_lost(registry)
+    commit_wallet: EmbeddedWallet | None = None  # on the store's database: gifts debit in their commit
     if wallet is None:
         if settings.wallet.driver == "http":
             wallet = await core.stack.enter_async_context(HttpWallet.from_config(settings.wallet))
         else:
-            wallet = EmbeddedWallet(core.db, starting_balance=settings.wallet.starting_balance, clock=core.clock)
+            wallet = commit_wallet = EmbeddedWallet(
+                core.db, starting_balance=settings.wallet.starting_balance, clock=core.clock
+            )
     journal = DebitJournal(core.db)
     projections: Projections
     if scale_out:
@@ -129,6 +132,7 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
             wallet_timeout_s=settings.wallet.timeout.total_seconds(),
         ),
         clock=core.clock,
+        commit_wallet=commit_wallet,
     )
     forwarder = Forwarder(
         service,

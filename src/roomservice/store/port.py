@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from roomservice import errors
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
 
 
 class StoreConflict(errors.Retry):
@@ -48,6 +51,36 @@ class CommandIdTaken(StoreConflict):
     """Another writer logged the same command_id first (read it back with find_command)."""
 
 
+class NeedsOwnTransaction(Exception):
+    """An :class:`AttachedWrite` in a shared transaction could not finish without leaving rows
+    behind: that transaction is rolled back and each of its mutations is retried in its own."""
+
+
+class AttachedWrite(Protocol):
+    """A write of another module that commits with a mutation or not at all: the embedded
+    wallet's debit of a gift, in the command's own transaction, so that no debit exists
+    without its command and no command without its debit.
+
+    It runs before the mutation's rows, in the order of ``lock_order`` among the attached
+    writes of a shared transaction (before any room row: on MySQL/MariaDB every transaction
+    takes its row locks in one global order, so two never wait for each other crosswise).
+    """
+
+    @property
+    def lock_order(self) -> tuple[str, ...]: ...
+
+    def write(self, conn: Connection, *, shared: bool) -> None:
+        """Write it. ``shared``: other mutations are in the transaction too; then raise
+        either a :class:`~roomservice.errors.RoomServiceError` having written nothing (the
+        mutation fails alone with it, the others commit) or :class:`NeedsOwnTransaction`.
+        Alone, whatever it raises rolls back the whole mutation and fails it."""
+        ...
+
+    def committed(self) -> None:
+        """Called once the transaction that carried it has committed."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class LoggedCommand:
     """What idempotency needs of a command already committed."""
@@ -74,7 +107,8 @@ class Mutation:
 
     ``expected_version`` is the version the cell decided on (0 for CreateRoom);
     ``epoch`` is the cell's lease epoch. A no-op command has no events and
-    ``state_after.version == expected_version``.
+    ``state_after.version == expected_version``. ``attached``: a write that commits
+    with this mutation or not at all (a gift's embedded debit).
     """
 
     app_code: str
@@ -91,6 +125,7 @@ class Mutation:
     state_after: RoomState | None
     trace_context: str | None = None  # W3C traceparent of the command, stored with its outbox rows
     timing: Mapping[str, float | bool] | None = None  # stored with the command log row (room inspector)
+    attached: AttachedWrite | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +157,13 @@ class RoomStore(Protocol):
         ...
 
     async def save_mutation(self, mutation: Mutation) -> None:
-        """ONE transaction: command log row + outbox rows + room meta, guarded by version and epoch.
+        """ONE transaction: command log row + outbox rows + room meta, guarded by version and epoch,
+        and the mutation's attached write.
 
         Raises :class:`StoreConflict` (nothing written) when the stored version
-        is not ``expected_version`` or the epoch is not current, and
-        :class:`CommandIdTaken` when the command_id is already logged.
+        is not ``expected_version`` or the epoch is not current,
+        :class:`CommandIdTaken` when the command_id is already logged, and whatever
+        the attached write failed with (nothing written).
         """
         ...
 

@@ -41,7 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import BindParameter
 
-from roomservice import wire
+from roomservice import errors, wire
 from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
@@ -52,6 +52,7 @@ from roomservice.store.port import (
     LoadedRoom,
     LoggedCommand,
     Mutation,
+    NeedsOwnTransaction,
     RoomSummary,
     StoreConflict,
     StoreInconsistent,
@@ -279,6 +280,14 @@ class SqlRoomStore:
         return {"transactions": gc.transactions, "mutations": gc.mutations, "retried_alone": self.retried_alone}
 
     async def _commit_batch(self, units: list[_MutationUnit]) -> list[Failed | None]:
+        outcomes = await self._commit_units(units)
+        for unit, outcome in zip(units, outcomes, strict=True):
+            attached = unit[0].attached
+            if attached is not None and outcome is None:
+                attached.committed()
+        return outcomes
+
+    async def _commit_units(self, units: list[_MutationUnit]) -> list[Failed | None]:
         if len(units) == 1:
             return [await _outcome_of(self.db.run_write(_save_mutation, *units[0]))]
         try:
@@ -363,6 +372,8 @@ def _save_mutation(
     command: dict[str, Any],
     outbox: list[dict[str, Any]],
 ) -> None:
+    if m.attached is not None:  # first: row locks in the global order (attached rows, then rooms)
+        m.attached.write(conn, shared=False)
     _write_meta(conn, m, meta_guard, meta_values)
     try:
         conn.execute(_INSERT_COMMAND, command)
@@ -427,25 +438,45 @@ class _RetryAlone(Exception):
 
 
 def _save_mutations_together(conn: Connection, units: list[_MutationUnit]) -> list[Failed | None]:
-    """The shared transaction, without a SAVEPOINT per mutation: the guarded meta write of
-    each mutation, then every command log row in one INSERT and every outbox row in another.
+    """The shared transaction, without a SAVEPOINT per mutation: the attached writes (gift
+    debits), the guarded meta write of each mutation, then every command log row in one
+    INSERT and every outbox row in another.
 
-    A guard that matches no row (stale version or epoch) or a room that already exists
-    wrote nothing (both backends roll back the failed statement only): that mutation fails
-    alone and its rows are left out. A failure that cannot be pinned on one mutation (a reused
-    command_id in the shared INSERT, a deadlock) raises :class:`_RetryAlone`.
+    An attached write that fails having written nothing (an insufficient balance), a guard
+    that matches no row (stale version or epoch) or a room that already exists wrote nothing
+    (both backends roll back the failed statement only): that mutation fails alone and its
+    rows are left out. A failure that cannot be pinned on one mutation (a reused command_id
+    in the shared INSERT, a deadlock), an attached write that needs its own transaction, or
+    a guard that fails after its mutation's attached write was written raises
+    :class:`_RetryAlone`.
     """
     outcomes: list[Failed | None] = [None] * len(units)
     commands: list[dict[str, Any]] = []
     outbox: list[dict[str, Any]] = []
-    # rooms in key order: two batches (of two processes) never lock the same rooms crosswise
+    # row locks in one global order, so that two batches (of two processes) never wait for each
+    # other crosswise: the attached writes' rows (wallet accounts) in their order, then the rooms
+    attached = sorted(
+        ((unit[0].attached, i) for i, unit in enumerate(units) if unit[0].attached is not None),
+        key=lambda pair: pair[0].lock_order,
+    )
     order = sorted(range(len(units)), key=lambda i: (units[i][0].app_code, units[i][0].room_id))
     try:
+        for write, i in attached:
+            try:
+                write.write(conn, shared=True)
+            except NeedsOwnTransaction as exc:
+                raise _RetryAlone("an attached write needs a transaction of its own") from exc
+            except errors.RoomServiceError as failure:  # it wrote nothing: its mutation fails alone
+                outcomes[i] = Failed(failure)
         for i in order:
+            if outcomes[i] is not None:
+                continue
             m, meta_guard, meta_values, command, rows = units[i]
             try:
                 _write_meta(conn, m, meta_guard, meta_values)
             except StoreConflict as conflict:
+                if m.attached is not None:  # its attached write stands in this transaction: undo it all
+                    raise _RetryAlone("a room's guard failed after its attached write") from conflict
                 outcomes[i] = Failed(conflict)
                 continue
             commands.append(command)

@@ -1,27 +1,62 @@
 """The embedded wallet: balances and debits in the service's own database tables.
 
-A debit is one write transaction: claim the key (insert-or-ignore), then a
-guarded ``balance >= amount`` update; an insufficient balance rolls both back.
-Each call is one ``run_write``/``run_read`` unit: on SQLite one hop to the
-database thread instead of one aiosqlite hop per statement (a gift's debit was
-the slowest part of a gift command; docs/benchmarks.md).
+A debit claims its key (insert-or-ignore) and makes a guarded ``balance >= amount``
+update; an insufficient balance rolls both back. Two ways to run it:
+
+* :meth:`EmbeddedWallet.debit` (the :class:`~roomservice.wallet.port.Wallet` port):
+  one write transaction of its own, one ``run_write`` unit (one hop to the
+  database thread on SQLite).
+* :meth:`EmbeddedWallet.debit_in_commit`: the debit as an
+  :class:`~roomservice.store.port.AttachedWrite` of the gift's own SaveMutation
+  transaction (which other rooms' mutations may share): the debit commits with its
+  command or not at all, so neither exists without the other and nothing is
+  journaled for reconciliation (docs/benchmarks.md, "Gift path").
+
+Statements are built once, at import: a statement built per call was most of a
+debit's CPU (SQLAlchemy's cache key of a new statement, py-spy, issue 12).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
 from roomservice.store import tables as t
 from roomservice.store.database import Database, insert_or_ignore
+from roomservice.store.port import NeedsOwnTransaction
 from roomservice.wallet.port import (
     DEBITED,
     REFUNDED,
     Debit,
     DebitKeyConflict,
     InsufficientFunds,
+)
+
+_account, _debits = t.wallet_account, t.wallet_debit
+
+_IS_ACCOUNT = (_account.c.app_code == sa.bindparam("b_app")) & (_account.c.user_id == sa.bindparam("b_user"))
+_OPEN_ACCOUNT: Final = insert_or_ignore(_account)
+_CLAIM_KEY: Final = insert_or_ignore(_debits)
+_CHARGE: Final = (
+    sa.update(_account)
+    .where(_IS_ACCOUNT & (_account.c.balance >= sa.bindparam("b_amount")))
+    .values(balance=_account.c.balance - sa.bindparam("b_amount"), updated_at_ms=sa.bindparam("b_now"))
+)
+_CREDIT: Final = (
+    sa.update(_account)
+    .where(_IS_ACCOUNT)
+    .values(balance=_account.c.balance + sa.bindparam("b_amount"), updated_at_ms=sa.bindparam("b_now"))
+)
+_BALANCE: Final = sa.select(_account.c.balance).where(_IS_ACCOUNT)
+_GET: Final = sa.select(_debits).where(_debits.c.debit_key == sa.bindparam("b_key"))
+_SET_STATUS: Final = (
+    sa.update(_debits)
+    .where(_debits.c.debit_key == sa.bindparam("b_key"), _debits.c.status == sa.bindparam("b_from"))
+    .values(status=sa.bindparam("b_to"), updated_at_ms=sa.bindparam("b_now"))
 )
 
 
@@ -33,6 +68,17 @@ class EmbeddedWallet:
         self._known_accounts: set[tuple[str, str]] = set()  # rows known to exist; accounts are never deleted
 
     async def debit(self, *, key: str, app_code: str, user_id: str, amount: int) -> Debit:
+        request = await self._request(key, app_code, user_id, amount)
+        debit = await self._db.run_write(_debit, request)
+        self._known_accounts.add((app_code, user_id))
+        return debit
+
+    async def debit_in_commit(self, *, key: str, app_code: str, user_id: str, amount: int) -> CommitDebit:
+        """The debit, to be written in the command's own SaveMutation transaction, which must
+        be on this wallet's database (the store's: the bootstrap hands it only that one)."""
+        return CommitDebit(await self._request(key, app_code, user_id, amount), self._known_accounts)
+
+    async def _request(self, key: str, app_code: str, user_id: str, amount: int) -> _Request:
         now = self._clock()
         account = None
         if (app_code, user_id) not in self._known_accounts:
@@ -40,9 +86,8 @@ class EmbeddedWallet:
                 account = self._starting_balance
             else:  # its own transaction: inside the debit, two first debits of one user deadlock on MariaDB
                 await self._db.run_write(_ensure_account, app_code, user_id, self._starting_balance, now)
-        debit = await self._db.run_write(_debit, key, app_code, user_id, amount, now, account)
-        self._known_accounts.add((app_code, user_id))
-        return debit
+                self._known_accounts.add((app_code, user_id))
+        return _Request(key, app_code, user_id, amount, now, account)
 
     async def lookup(self, key: str) -> Debit | None:
         return await self._db.run_read(_get, key)
@@ -55,85 +100,110 @@ class EmbeddedWallet:
         return self._starting_balance if value is None else value
 
 
+@dataclass(frozen=True, slots=True)
+class _Request:
+    key: str
+    app_code: str
+    user_id: str
+    amount: int
+    now: int
+    new_account: int | None  # first create the account with this balance if it does not exist
+
+    def account(self) -> dict[str, Any]:
+        return {"b_app": self.app_code, "b_user": self.user_id, "b_amount": self.amount, "b_now": self.now}
+
+    def open_account(self, conn: Connection) -> bool:
+        """Create the account if this request says so; True if this call created it."""
+        if self.new_account is None:
+            return False
+        row = {"app_code": self.app_code, "user_id": self.user_id, "balance": self.new_account,
+               "updated_at_ms": self.now}
+        return bool(conn.execute(_OPEN_ACCOUNT, row).rowcount == 1)
+
+    def claim_key(self, conn: Connection) -> bool:
+        """Insert the debit row; False if the key exists already."""
+        row = {"debit_key": self.key, "app_code": self.app_code, "user_id": self.user_id, "amount": self.amount,
+               "status": DEBITED, "created_at_ms": self.now, "updated_at_ms": self.now}
+        return bool(conn.execute(_CLAIM_KEY, row).rowcount == 1)
+
+    def charge(self, conn: Connection) -> bool:
+        """The guarded balance update; False (nothing written) if the balance does not cover it."""
+        return bool(conn.execute(_CHARGE, self.account()).rowcount == 1)
+
+    def insufficient(self) -> InsufficientFunds:
+        return InsufficientFunds(f"balance of {self.user_id} does not cover {self.amount}")
+
+
+@dataclass(frozen=True, slots=True)
+class CommitDebit:
+    """A gift's debit as an attached write of its SaveMutation (:class:`~roomservice.store.port.AttachedWrite`)."""
+
+    request: _Request
+    known_accounts: set[tuple[str, str]]
+
+    @property
+    def lock_order(self) -> tuple[str, ...]:
+        return (self.request.app_code, self.request.user_id)
+
+    def write(self, conn: Connection, *, shared: bool) -> None:
+        request = self.request
+        if not shared:
+            _debit(conn, request)
+            return
+        # In a transaction shared with other rooms' commands: the common case only, and a
+        # failure that leaves nothing written; anything else is decided in a transaction of its own.
+        opened = request.open_account(conn)
+        if not request.charge(conn):
+            if opened:  # the account row it created would stay
+                raise NeedsOwnTransaction("a first debit larger than the starting balance")
+            raise request.insufficient()
+        if not request.claim_key(conn):  # charged already, refunded, or another amount: see _debit
+            raise NeedsOwnTransaction(f"debit key {request.key!r} exists")
+
+    def committed(self) -> None:
+        self.known_accounts.add((self.request.app_code, self.request.user_id))
+
+
 def _ensure_account(conn: Connection, app_code: str, user_id: str, balance: int, now: int) -> None:
-    conn.execute(
-        insert_or_ignore(t.wallet_account).values(
-            app_code=app_code, user_id=user_id, balance=balance, updated_at_ms=now
-        )
-    )
+    conn.execute(_OPEN_ACCOUNT, {"app_code": app_code, "user_id": user_id, "balance": balance, "updated_at_ms": now})
 
 
-def _debit(
-    conn: Connection, key: str, app_code: str, user_id: str, amount: int, now: int, new_account: int | None
-) -> Debit:
-    """The debit; ``new_account``: first create the account with this balance if it does not exist."""
-    if new_account is not None:
-        _ensure_account(conn, app_code, user_id, new_account, now)
-    claimed = conn.execute(
-        insert_or_ignore(t.wallet_debit).values(
-            debit_key=key,
-            app_code=app_code,
-            user_id=user_id,
-            amount=amount,
-            status=DEBITED,
-            created_at_ms=now,
-            updated_at_ms=now,
-        )
-    )
-    if claimed.rowcount != 1:
-        existing = _get(conn, key)
+def _debit(conn: Connection, request: _Request) -> Debit:
+    """The debit in a transaction of its own (raising rolls all of it back)."""
+    request.open_account(conn)
+    if not request.claim_key(conn):
+        existing = _get(conn, request.key)
         assert existing is not None
-        if (existing.app_code, existing.user_id, existing.amount) != (app_code, user_id, amount):
-            raise DebitKeyConflict(key)
+        asked = (request.app_code, request.user_id, request.amount)
+        if (existing.app_code, existing.user_id, existing.amount) != asked:
+            raise DebitKeyConflict(request.key)
         if existing.status == DEBITED:
             return existing
         # refunded by reconciliation, now retried: charge it again (net once)
-        conn.execute(
-            sa.update(t.wallet_debit).where(t.wallet_debit.c.debit_key == key).values(status=DEBITED, updated_at_ms=now)
-        )
-    charged = conn.execute(
-        sa.update(t.wallet_account)
-        .where(
-            t.wallet_account.c.app_code == app_code,
-            t.wallet_account.c.user_id == user_id,
-            t.wallet_account.c.balance >= amount,
-        )
-        .values(balance=t.wallet_account.c.balance - amount, updated_at_ms=now)
-    )
-    if charged.rowcount != 1:  # raising rolls the key claim back too
-        raise InsufficientFunds(f"balance of {user_id} does not cover {amount}")
-    return Debit(key, app_code, user_id, amount, DEBITED)
+        conn.execute(_SET_STATUS, {"b_key": request.key, "b_from": REFUNDED, "b_to": DEBITED, "b_now": request.now})
+    if not request.charge(conn):  # raising rolls the key claim back too
+        raise request.insufficient()
+    return Debit(request.key, request.app_code, request.user_id, request.amount, DEBITED)
 
 
 def _refund(conn: Connection, key: str, now: int) -> Debit | None:
     debit = _get(conn, key)
     if debit is None or debit.status == REFUNDED:
         return debit
-    flipped = conn.execute(
-        sa.update(t.wallet_debit)
-        .where(t.wallet_debit.c.debit_key == key, t.wallet_debit.c.status == DEBITED)
-        .values(status=REFUNDED, updated_at_ms=now)
-    )
+    flipped = conn.execute(_SET_STATUS, {"b_key": key, "b_from": DEBITED, "b_to": REFUNDED, "b_now": now})
     if flipped.rowcount == 1:
-        conn.execute(
-            sa.update(t.wallet_account)
-            .where(t.wallet_account.c.app_code == debit.app_code, t.wallet_account.c.user_id == debit.user_id)
-            .values(balance=t.wallet_account.c.balance + debit.amount, updated_at_ms=now)
-        )
+        credit = {"b_app": debit.app_code, "b_user": debit.user_id, "b_amount": debit.amount, "b_now": now}
+        conn.execute(_CREDIT, credit)
     return Debit(debit.key, debit.app_code, debit.user_id, debit.amount, REFUNDED)
 
 
 def _balance(conn: Connection, app_code: str, user_id: str) -> int | None:
-    value = conn.scalar(
-        sa.select(t.wallet_account.c.balance).where(
-            t.wallet_account.c.app_code == app_code, t.wallet_account.c.user_id == user_id
-        )
-    )
+    value = conn.scalar(_BALANCE, {"b_app": app_code, "b_user": user_id})
     return None if value is None else int(value)
 
 
 def _get(conn: Connection, key: str) -> Debit | None:
-    row = conn.execute(sa.select(t.wallet_debit).where(t.wallet_debit.c.debit_key == key)).one_or_none()
+    row = conn.execute(_GET, {"b_key": key}).one_or_none()
     if row is None:
         return None
     return Debit(row.debit_key, row.app_code, row.user_id, int(row.amount), row.status)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from roomservice import errors
+from roomservice.store.port import AttachedWrite
 
 
 class WalletError(errors.RoomServiceError):
@@ -62,3 +63,15 @@ class Wallet(Protocol):
         ...
 
     async def balance(self, app_code: str, user_id: str) -> int: ...
+
+
+class CommitWallet(Protocol):
+    """A wallet whose ledger is in the store's own database (the embedded wallet): a gift's
+    debit is written in the command's SaveMutation transaction, so it commits with the
+    command or not at all, and a reused command_id is caught by the command log's unique key
+    in that same transaction (nothing to journal, nothing to look up first)."""
+
+    async def debit_in_commit(self, *, key: str, app_code: str, user_id: str, amount: int) -> AttachedWrite:
+        """The debit as a write of the mutation; its failures (:class:`InsufficientFunds`,
+        :class:`DebitKeyConflict`) are raised by ``save_mutation``, with nothing written."""
+        ...
