@@ -1103,6 +1103,8 @@ def test_inactive_keys_follow_the_choices() -> None:
     assert "outbox_worker.poll_interval" not in inactive
     assert "outbox_worker.delivered_retention" not in inactive
     assert "wallet.starting_balance" in inactive and "wallet.url" not in inactive
+    assert "wallet.timeout" not in inactive  # the http wallet's debit goes out before the commit
+    assert "wallet.timeout" in dict(inactive_keys(load({})))  # the embedded one is a write of the commit
     no_im = dict(inactive_keys(load({"tencent_im": {"enabled": False}})))
     assert no_im["tencent_im.group_type"] == "tencent_im.enabled is false"
     assert "tencent_im.enabled" not in no_im and "activity.target" not in no_im

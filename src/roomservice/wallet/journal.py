@@ -1,7 +1,9 @@
 """The debit journal: the room service's durable record of the debits it asked the wallet for.
 
-A gift journals its debit key before asking the wallet; a committed command
-claims it (the entry leaves the journal); reconciliation refunds the rest.
+A gift journals its debit key before asking an external wallet; reconciliation
+finds the entries whose command committed (claimed: the entry leaves the journal) and
+refunds the rest. A debit of the embedded wallet commits with its command in one
+transaction and needs no entry.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Reconciliation of gift debits that no committed command claims.
 
-Before a gift's debit the service journals the key (``wallet_pending_debit``).
-A debit whose command never committed — the wallet timed out, the process
-crashed, the version race was lost and the client gave up — is refunded once
-``reconcile_after`` has passed; a debit that a committed command claims simply
-leaves the journal.
+Before a gift's debit by an external wallet (``wallet.driver: http``) the service
+journals the key (``wallet_pending_debit``). A debit whose command never committed —
+the wallet timed out, the process crashed, the version race was lost and the client
+gave up — is refunded once ``reconcile_after`` has passed; a debit that a committed
+command claims simply leaves the journal. The embedded wallet's debit is written in
+the command's own transaction (:mod:`roomservice.wallet.embedded`): it cannot outlive
+an uncommitted command, so it is not journaled.
 """
 
 from __future__ import annotations
