@@ -215,9 +215,10 @@ async def test_a_gift_whose_commit_fails_debits_nothing_and_its_retry_charges_on
     sync_engine = rt.db._sync_engine or rt.db.engine.sync_engine
     failing = [True]
 
-    def fail_commit(_conn: Any) -> None:
+    def fail_commit(conn: sa.Connection) -> None:  # the connection is lost as the COMMIT goes out
         if failing[0]:
             failing[0] = False
+            conn.invalidate()
             raise sa.exc.OperationalError("COMMIT", {}, Exception("connection lost during COMMIT"))
 
     sa.event.listen(sync_engine, "commit", fail_commit)

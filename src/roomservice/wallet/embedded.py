@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import sqlalchemy as sa
 from sqlalchemy import Connection
+from sqlalchemy.dialects import mysql
 
 from roomservice.store import tables as t
 from roomservice.store.database import Database, insert_or_ignore
@@ -39,7 +40,13 @@ from roomservice.wallet.port import (
 _account, _debits = t.wallet_account, t.wallet_debit
 
 _IS_ACCOUNT = (_account.c.app_code == sa.bindparam("b_app")) & (_account.c.user_id == sa.bindparam("b_user"))
+# A user's first debit creates the account in the debit's transaction. SQLite: INSERT OR IGNORE,
+# whose rowcount says whether this call created it. MySQL/MariaDB: a duplicate-key "update" to
+# itself, which takes an exclusive lock on an existing row where INSERT IGNORE takes a shared
+# one: two first debits of one user then wait for each other instead of deadlocking when both
+# turn their shared lock into the balance update's exclusive one (its rowcount says nothing).
 _OPEN_ACCOUNT: Final = insert_or_ignore(_account)
+_OPEN_ACCOUNT_MYSQL: Final = mysql.insert(_account).on_duplicate_key_update(app_code=_account.c.app_code)
 _CLAIM_KEY: Final = insert_or_ignore(_debits)
 _CHARGE: Final = (
     sa.update(_account)
@@ -68,26 +75,18 @@ class EmbeddedWallet:
         self._known_accounts: set[tuple[str, str]] = set()  # rows known to exist; accounts are never deleted
 
     async def debit(self, *, key: str, app_code: str, user_id: str, amount: int) -> Debit:
-        request = await self._request(key, app_code, user_id, amount)
-        debit = await self._db.run_write(_debit, request)
+        debit = await self._db.run_write(_debit, self._request(key, app_code, user_id, amount))
         self._known_accounts.add((app_code, user_id))
         return debit
 
     async def debit_in_commit(self, *, key: str, app_code: str, user_id: str, amount: int) -> CommitDebit:
         """The debit, to be written in the command's own SaveMutation transaction, which must
         be on this wallet's database (the store's: the bootstrap hands it only that one)."""
-        return CommitDebit(await self._request(key, app_code, user_id, amount), self._known_accounts)
+        return CommitDebit(self._request(key, app_code, user_id, amount), self._known_accounts)
 
-    async def _request(self, key: str, app_code: str, user_id: str, amount: int) -> _Request:
-        now = self._clock()
-        account = None
-        if (app_code, user_id) not in self._known_accounts:
-            if self._db.is_sqlite:  # one writer: the account row goes in the debit's own transaction
-                account = self._starting_balance
-            else:  # its own transaction: inside the debit, two first debits of one user deadlock on MariaDB
-                await self._db.run_write(_ensure_account, app_code, user_id, self._starting_balance, now)
-                self._known_accounts.add((app_code, user_id))
-        return _Request(key, app_code, user_id, amount, now, account)
+    def _request(self, key: str, app_code: str, user_id: str, amount: int) -> _Request:
+        known = (app_code, user_id) in self._known_accounts
+        return _Request(key, app_code, user_id, amount, self._clock(), None if known else self._starting_balance)
 
     async def lookup(self, key: str) -> Debit | None:
         return await self._db.run_read(_get, key)
@@ -113,12 +112,16 @@ class _Request:
         return {"b_app": self.app_code, "b_user": self.user_id, "b_amount": self.amount, "b_now": self.now}
 
     def open_account(self, conn: Connection) -> bool:
-        """Create the account if this request says so; True if this call created it."""
+        """Create the account if this request says so and it does not exist; False if it
+        certainly existed (on MySQL/MariaDB that cannot be told: True whenever it asked)."""
         if self.new_account is None:
             return False
         row = {"app_code": self.app_code, "user_id": self.user_id, "balance": self.new_account,
                "updated_at_ms": self.now}
-        return bool(conn.execute(_OPEN_ACCOUNT, row).rowcount == 1)
+        if conn.dialect.name == "sqlite":
+            return bool(conn.execute(_OPEN_ACCOUNT, row).rowcount == 1)
+        conn.execute(_OPEN_ACCOUNT_MYSQL, row)
+        return True
 
     def claim_key(self, conn: Connection) -> bool:
         """Insert the debit row; False if the key exists already."""
@@ -154,18 +157,14 @@ class CommitDebit:
         # failure that leaves nothing written; anything else is decided in a transaction of its own.
         opened = request.open_account(conn)
         if not request.charge(conn):
-            if opened:  # the account row it created would stay
-                raise NeedsOwnTransaction("a first debit larger than the starting balance")
+            if opened:  # the account row it may have created would stay
+                raise NeedsOwnTransaction("a refused debit of an account that may be new")
             raise request.insufficient()
         if not request.claim_key(conn):  # charged already, refunded, or another amount: see _debit
             raise NeedsOwnTransaction(f"debit key {request.key!r} exists")
 
     def committed(self) -> None:
         self.known_accounts.add((self.request.app_code, self.request.user_id))
-
-
-def _ensure_account(conn: Connection, app_code: str, user_id: str, balance: int, now: int) -> None:
-    conn.execute(_OPEN_ACCOUNT, {"app_code": app_code, "user_id": user_id, "balance": balance, "updated_at_ms": now})
 
 
 def _debit(conn: Connection, request: _Request) -> Debit:
