@@ -575,6 +575,26 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:")
 
 
+# Statements run once per mutation, rendered once per dialect (see execute_rendered).
+_RENDERED: dict[tuple[str, str, int], tuple[str, tuple[str, ...]]] = {}
+
+
+def execute_rendered(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
+    """``conn.execute(statement, params)`` for a statement built once (a module constant) and run
+    per command: rendered once per dialect and executed as driver SQL, it skips SQLAlchemy's
+    cache lookup and parameter processing (a third of the store's CPU per mutation, measured
+    with py-spy), while still going through the connection's events and error handling. Only
+    for statements whose parameters need no type processing, with every parameter given."""
+    dialect = conn.dialect
+    key = (dialect.name, dialect.paramstyle, id(statement))
+    rendered = _RENDERED.get(key)
+    if rendered is None:
+        compiled = statement.compile(dialect=dialect)
+        rendered = _RENDERED[key] = (compiled.string, tuple(compiled.positiontup or ()))
+    sql, names = rendered
+    return conn.exec_driver_sql(sql, tuple(params[name] for name in names))
+
+
 def insert_or_ignore(table: Table) -> Insert:
     """``INSERT`` that skips a duplicate key and says so: rowcount 1 when inserted, 0 when
     ignored (``INSERT OR IGNORE`` / ``INSERT IGNORE``). Unlike

@@ -45,7 +45,7 @@ from roomservice import errors, wire
 from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
-from roomservice.store.database import Database
+from roomservice.store.database import Database, execute_rendered
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
     CommandIdTaken,
@@ -384,24 +384,6 @@ def _save_mutation(
         conn.execute(_INSERT_OUTBOX, outbox)
 
 
-# The statement run once per mutation, rendered once per dialect: executed as driver SQL it
-# skips SQLAlchemy's cache lookup and parameter processing (a third of the store's CPU per
-# mutation, measured with py-spy), while still going through the connection's events and
-# error handling. Only for statements whose parameters need no type processing.
-_RENDERED: dict[tuple[str, str, int], tuple[str, tuple[str, ...]]] = {}
-
-
-def _execute_rendered(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
-    dialect = conn.dialect
-    key = (dialect.name, dialect.paramstyle, id(statement))
-    rendered = _RENDERED.get(key)
-    if rendered is None:
-        compiled = statement.compile(dialect=dialect)
-        rendered = _RENDERED[key] = (compiled.string, tuple(compiled.positiontup or ()))
-    sql, names = rendered
-    return conn.exec_driver_sql(sql, tuple(params[name] for name in names))
-
-
 def _write_meta(conn: Connection, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]) -> None:
     """The room_meta row of ``m``: inserted for CreateRoom, else updated under the version and epoch guard."""
     if meta_guard is None:
@@ -411,7 +393,7 @@ def _write_meta(conn: Connection, m: Mutation, meta_guard: dict[str, Any] | None
             raise StoreConflict(f"room {m.app_code}/{m.room_id} already exists") from exc
         return
     guarded = _UPDATE_META if m.events else _TOUCH_META
-    if _execute_rendered(conn, guarded, {**meta_guard, **meta_values}).rowcount != 1:
+    if execute_rendered(conn, guarded, {**meta_guard, **meta_values}).rowcount != 1:
         raise StoreConflict(
             f"room {m.app_code}/{m.room_id} is no longer at version {m.expected_version} with lease epoch {m.epoch}"
         )

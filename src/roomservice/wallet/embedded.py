@@ -27,7 +27,7 @@ from sqlalchemy import Connection
 from sqlalchemy.dialects import mysql
 
 from roomservice.store import tables as t
-from roomservice.store.database import Database, insert_or_ignore
+from roomservice.store.database import Database, execute_rendered, insert_or_ignore
 from roomservice.store.port import NeedsOwnTransaction
 from roomservice.wallet.port import (
     DEBITED,
@@ -119,19 +119,19 @@ class _Request:
         row = {"app_code": self.app_code, "user_id": self.user_id, "balance": self.new_account,
                "updated_at_ms": self.now}
         if conn.dialect.name == "sqlite":
-            return bool(conn.execute(_OPEN_ACCOUNT, row).rowcount == 1)
-        conn.execute(_OPEN_ACCOUNT_MYSQL, row)
+            return bool(execute_rendered(conn, _OPEN_ACCOUNT, row).rowcount == 1)
+        execute_rendered(conn, _OPEN_ACCOUNT_MYSQL, row)
         return True
 
     def claim_key(self, conn: Connection) -> bool:
         """Insert the debit row; False if the key exists already."""
         row = {"debit_key": self.key, "app_code": self.app_code, "user_id": self.user_id, "amount": self.amount,
                "status": DEBITED, "created_at_ms": self.now, "updated_at_ms": self.now}
-        return bool(conn.execute(_CLAIM_KEY, row).rowcount == 1)
+        return bool(execute_rendered(conn, _CLAIM_KEY, row).rowcount == 1)
 
     def charge(self, conn: Connection) -> bool:
         """The guarded balance update; False (nothing written) if the balance does not cover it."""
-        return bool(conn.execute(_CHARGE, self.account()).rowcount == 1)
+        return bool(execute_rendered(conn, _CHARGE, self.account()).rowcount == 1)
 
     def insufficient(self) -> InsufficientFunds:
         return InsufficientFunds(f"balance of {self.user_id} does not cover {self.amount}")
