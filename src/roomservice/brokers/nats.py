@@ -77,6 +77,7 @@ from roomservice.brokers.port import (
 )
 from roomservice.clock import wall_clock_ms
 from roomservice.config import NatsConfig
+from roomservice.futures import relay
 from roomservice.observability.logging import get_logger
 
 _log = get_logger("roomservice.brokers.nats")
@@ -250,6 +251,51 @@ class NatsBroker:
 
     async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
         self._check_connected()
+        subjects, subject, headers = self._outgoing(message)
+        known = self._subjects[self.stream]
+        try:
+            async with asyncio.timeout(timeout_s):  # the one deadline of this publish
+                if subjects[0] not in known or subjects[1] not in known:
+                    await self._ensure_subjects(self.stream, subjects)
+                ack = await self._publish(subject, message.body, headers, stream=self.stream)
+        except TimeoutError:
+            raise BrokerUnavailable(f"NATS did not acknowledge the publish within {timeout_s:g}s") from None
+        return str(ack.seq)
+
+    async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:
+        """Pipelined publish: queue ``message`` on the connection and return the future of its
+        acknowledgement (the message id, as :meth:`publish` returns it).
+
+        Messages reach the server in the order their ``send`` calls returned (one connection,
+        written in order) and the stream stores them in that order, so a caller that awaits
+        ``send`` after ``send`` keeps its order while the acknowledgements are outstanding.
+        The future fails as :meth:`publish` fails (``BrokerUnavailable``, ``BrokerError``),
+        except that a stream that lost the subject is not repaired inline: that message is
+        ``BrokerUnavailable`` and the next call binds the subject again. The future has no
+        deadline: the caller bounds its wait and cancels it to give up (which frees its
+        place in nats-py's table of outstanding acknowledgements)."""
+        self._check_connected()
+        subjects, subject, headers = self._outgoing(message)
+        known = self._subjects[self.stream]
+        if subjects[0] not in known or subjects[1] not in known:
+            await self._ensure_subjects(self.stream, subjects)
+        try:
+            ack = await self._js_pub.publish_async(subject, message.body, headers=headers, stream=self.stream)
+        except Exception as exc:
+            mapped = _port_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        return relay(ack, _message_id, self._send_failure)
+
+    def _send_failure(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, nats.js.errors.NoStreamResponseError):  # no stream on the subject (any more)
+            self._subjects[self.stream].clear()
+            return BrokerUnavailable(f"NATS: no stream took the message (bound again on the next publish): {exc!r}")
+        return _port_error(exc) if isinstance(exc, Exception) else exc
+
+    def _outgoing(self, message: OutgoingMessage) -> tuple[tuple[str, str], str, dict[str, str]]:
+        """The topic's (subject, delayed subject), the subject to publish on, and the headers."""
         now = self._clock()
         topic = message.topic
         subjects = self._topic_subjects.get(topic) or self._topic_subjects_of(topic)
@@ -268,17 +314,7 @@ class NatsBroker:
         delayed = deliver_at is not None and deliver_at > now
         if delayed:
             headers[H_DELIVER_AT] = str(deliver_at)
-        known = self._subjects[self.stream]
-        try:
-            async with asyncio.timeout(timeout_s):  # the one deadline of this publish
-                if subjects[0] not in known or subjects[1] not in known:
-                    await self._ensure_subjects(self.stream, subjects)
-                ack = await self._publish(
-                    subjects[1] if delayed else subjects[0], message.body, headers, stream=self.stream
-                )
-        except TimeoutError:
-            raise BrokerUnavailable(f"NATS did not acknowledge the publish within {timeout_s:g}s") from None
-        return str(ack.seq)
+        return subjects, subjects[1] if delayed else subjects[0], headers
 
     def _topic_subjects_of(self, topic: str) -> tuple[str, str]:
         """``topic``'s subject and delayed subject, validated once (BrokerError for a bad name)."""
@@ -836,6 +872,10 @@ def _port_error(exc: Exception) -> Exception:
         # timeouts, no responders (no stream bound yet, or JetStream down), closed or reconnecting
         return BrokerUnavailable(f"NATS did not answer: {exc!r}")
     return exc
+
+
+def _message_id(ack: api.PubAck) -> str:
+    return str(ack.seq)
 
 
 def _status(msg: Msg) -> str:

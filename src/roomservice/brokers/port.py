@@ -28,9 +28,10 @@ answer or refuses for now; :class:`BrokerError` for what retrying cannot fix.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from roomservice import errors
 
@@ -137,3 +138,16 @@ class Broker(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class PipelinedBroker(Protocol):
+    """What an adapter offers when it can keep the order of publishes whose acknowledgements
+    are outstanding (NATS: one connection, written in order). The outbox worker then sends a
+    room's rows one after another without waiting for each acknowledgement."""
+
+    async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:
+        """Queue ``message``; once this returns it goes before any message queued later. The
+        future is the acknowledgement (the message id), failing as ``publish`` would; it has no
+        deadline of its own: the caller bounds the wait and cancels it to give up."""
+        ...

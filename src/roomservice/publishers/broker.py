@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from typing import cast
 
-from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage
+from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage, PipelinedBroker
 from roomservice.domain.events import Event
 from roomservice.domain.routing import Target
+from roomservice.futures import relay
 from roomservice.observability import tracing
 from roomservice.publishers.port import PermanentError, RetryableError
 
@@ -28,6 +30,7 @@ class BrokerPublisher:
     def __init__(self, broker: Broker, *, topic: str) -> None:
         self.broker = broker
         self.topic = topic
+        self._pipelined = isinstance(broker, PipelinedBroker)
 
     async def publish(
         self, event: Event, *, payload: bytes, deadline: float, headers: Mapping[str, str] | None = None
@@ -73,6 +76,50 @@ class BrokerPublisher:
         else:
             await self._send(event_id, event_type, app_code, room_id, payload, remaining, headers)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether :meth:`send_claimed` is available: the broker keeps the order of publishes
+        whose acknowledgements are outstanding."""
+        return self._pipelined
+
+    async def send_claimed(
+        self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes
+    ) -> asyncio.Future[None]:
+        """The pipelined form of :meth:`publish_claimed` (only when :attr:`pipelined`): once this
+        returns, the message goes before any sent after it; the future is its acknowledgement,
+        failing with :class:`PublishError`. No deadline of its own: the caller bounds the wait
+        and cancels the future to give up."""
+        if not self._pipelined:
+            raise TypeError(f"broker {self.broker.name} does not pipeline publishes")
+        broker = cast(PipelinedBroker, self.broker)
+        message = self._message(event_id, event_type, app_code, room_id, payload, None)
+        try:
+            ack = await broker.send(message)
+        except Exception as exc:
+            failure = self._failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+        return relay(ack, _nothing, self._failure)
+
+    def _message(
+        self,
+        event_id: str,
+        event_type: str,
+        app_code: str,
+        room_id: str,
+        payload: bytes,
+        headers: Mapping[str, str] | None,
+    ) -> OutgoingMessage:
+        return OutgoingMessage(
+            topic=self.topic,
+            body=payload,
+            key=event_id,
+            tag=event_type,
+            sharding_key=room_sharding_key(app_code, room_id),
+            headers=dict(headers) if headers else {},
+        )
+
     async def _send(
         self,
         event_id: str,
@@ -83,23 +130,28 @@ class BrokerPublisher:
         remaining: float,
         headers: Mapping[str, str] | None,
     ) -> None:
-        message = OutgoingMessage(
-            topic=self.topic,
-            body=payload,
-            key=event_id,
-            tag=event_type,
-            sharding_key=room_sharding_key(app_code, room_id),
-            headers=dict(headers) if headers else {},
-        )
+        message = self._message(event_id, event_type, app_code, room_id, payload, headers)
         try:
             await self.broker.publish(message, timeout_s=remaining)
-        except BrokerUnavailable as exc:
-            raise RetryableError(f"broker {self.broker.name} unavailable: {exc}") from exc
-        except RetryableError:
-            raise
-        except TimeoutError as exc:  # an adapter's own timer ran out first
-            raise RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline") from exc
-        except Exception as exc:  # refused for good (name, size): a dead letter, not a retry loop
-            if getattr(exc, "retryable", False):
-                raise RetryableError(f"broker {self.broker.name}: {exc}") from exc
-            raise PermanentError(f"broker {self.broker.name} refused the event: {exc}") from exc
+        except Exception as exc:
+            failure = self._failure(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """The publisher port's error for what the broker raised (``exc`` itself when it passes)."""
+        if isinstance(exc, BrokerUnavailable):
+            return RetryableError(f"broker {self.broker.name} unavailable: {exc}")
+        if isinstance(exc, RetryableError) or not isinstance(exc, Exception):
+            return exc
+        if isinstance(exc, TimeoutError):  # an adapter's own timer ran out first
+            return RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline")
+        if getattr(exc, "retryable", False):
+            return RetryableError(f"broker {self.broker.name}: {exc}")
+        # refused for good (name, size): a dead letter, not a retry loop
+        return PermanentError(f"broker {self.broker.name} refused the event: {exc}")
+
+
+def _nothing(_message_id: str) -> None:
+    return None

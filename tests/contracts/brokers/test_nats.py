@@ -345,3 +345,62 @@ async def test_a_held_delayed_message_counts_in_every_groups_lag(shared_broker: 
 
     await eventually(held)
     assert await fetch(shared_broker, topic, group, wait_s=0.3) == []
+
+
+# --------------------------------------------------------------------------- pipelined publishes (send)
+
+
+async def test_sent_messages_keep_their_order_while_their_acknowledgements_are_outstanding(
+    shared_broker: NatsBroker,
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    keys = [f"ev-{i}" for i in range(40)]
+    acks = [await shared_broker.send(message(topic, key)) for key in keys]
+    assert sum(1 for ack in acks if not ack.done()) > 1  # sent before the earlier ones were acknowledged
+    seqs = [int(seq) for seq in await asyncio.gather(*acks)]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(keys)
+    again = await shared_broker.send(message(topic, keys[3], body=b"a retry"))
+    assert int(await again) == seqs[3]  # the duplicate window holds for sent messages too
+    got = []
+    while len(got) < len(keys):
+        got.extend(await fetch(shared_broker, topic, group, wait_s=1.0, n=len(keys)))
+    assert [d.key for d in got] == keys
+    assert got[0].body == b"payload"
+
+
+async def test_a_sent_message_is_refused_as_a_publish_is(shared_broker: NatsBroker) -> None:
+    with pytest.raises(BrokerError):
+        await shared_broker.send(message(unique("topic"), headers={"bad key": "v"}))
+
+
+async def test_a_send_to_a_stream_that_lost_the_subject_fails_retryably_and_the_next_send_binds_it(
+    shared_broker: NatsBroker,
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    info = await shared_broker._js.stream_info(shared_broker.stream)
+    info.config.subjects = [s for s in info.config.subjects or [] if s != shared_broker.subject(topic)]
+    await shared_broker._js.update_stream(info.config)  # another process's stale write
+    with pytest.raises(BrokerUnavailable):
+        await (await shared_broker.send(message(topic, "lost")))
+    sent = message(topic, "bound again")
+    await (await shared_broker.send(sent))
+    assert (await fetch_until(shared_broker, topic, group)).key == sent.key
+
+
+async def test_a_send_while_the_server_is_down_is_unavailable(own_server: OwnNatsServer) -> None:
+    broker = await _open(own_server.url)
+    try:
+        topic = unique("topic")
+        await (await broker.send(message(topic, "before")))
+        own_server.kill()
+
+        async def disconnected() -> bool:
+            return not broker._nc.is_connected
+
+        await eventually(disconnected)
+        with pytest.raises(BrokerUnavailable):
+            await broker.send(message(topic, "during"))
+    finally:
+        await broker.close()
