@@ -67,6 +67,9 @@ MAX_ROOM_LANE = 8  # rows of one room a batch publishes one after another, at le
 # flowing (every further row of it would otherwise cost a cycle of its own), slow ones still
 # hand the room's backlog back after MAX_ROOM_LANE rows.
 LANE_BUDGET_S = 0.05
+# A finish waits at most this long for the next commit to claim with it: one write transaction
+# per batch instead of two at moderate rates (the SQLite writer is shared with the commands).
+FINISH_LINGER_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,8 @@ class WorkerOptions:
     database_timeout_s: float = 5.0  # the deadline of one database call (database.timeout)
     # a room's lane goes on past MAX_ROOM_LANE rows while its batch is younger than this
     lane_budget_s: float = LANE_BUDGET_S
+    # a short batch's finish waits this long for the next wake-up, to carry its claim (0: never)
+    finish_linger_s: float = FINISH_LINGER_S
 
     @property
     def lock_ms(self) -> int:
@@ -141,6 +146,15 @@ class _Finish:
     @property
     def rows(self) -> int:
         return len(self.delivered) + len(self.retries)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A row sent to a pipelining publisher: its acknowledgement (cancel it to give up) and the
+    Outcome, set once the attempt is over (never an exception)."""
+
+    ack: asyncio.Future[Any]
+    outcome: asyncio.Future[Outcome]
 
 
 def new_owner() -> str:
@@ -306,22 +320,54 @@ class OutboxWorker:
 
         async def lane(room_rows: list[ClaimedRow]) -> list[Outcome]:
             # a lane is published row after row: a busy room's backlog must not hold the batch,
-            # so past MAX_ROOM_LANE rows it stops once the batch is lane_budget_s old
-            outcomes = []
-            for n, row in enumerate(room_rows):
-                if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
-                    untried.extend(room_rows[n:])
-                    break
-                async with semaphore:
-                    outcomes.append(await self.deliver(row))
+            # so past MAX_ROOM_LANE rows it stops once the batch is lane_budget_s old. A row
+            # whose one target pipelines is sent without waiting for the earlier rows'
+            # acknowledgements (the publisher keeps the order of what it was sent); any other
+            # row waits for them, as it waits for the row before it.
+            outcomes: list[Outcome] = []
+            sent: list[_Sent] = []
+            try:
+                for n, row in enumerate(room_rows):
+                    if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
+                        untried.extend(room_rows[n:])
+                        break
+                    pipelined = self._pipelined(row)
+                    if pipelined is None and sent:
+                        outcomes.extend([await s.outcome for s in sent])
+                        sent = []
+                    await semaphore.acquire()
+                    if pipelined is None:
+                        try:
+                            outcomes.append(await self.deliver(row))
+                        finally:
+                            semaphore.release()
+                    else:
+                        sent.append(await self._send(row, *pipelined, semaphore.release))
+                outcomes.extend([await s.outcome for s in sent])
+            finally:
+                for s in sent:  # cancelled: let go of the acknowledgements still outstanding
+                    s.ack.cancel()
             return outcomes
 
-        keeper = asyncio.create_task(self._keep_claims([r.id for r in rows]), name=f"outbox-claims-{self.owner}")
+        # the claims are extended only by a batch that outlives a third of the lease: no task
+        # of its own for the others (almost all), only a timer
+        keeper: list[asyncio.Task[None]] = []
+
+        def keep() -> None:
+            ids = [r.id for r in rows]
+            keeper.append(asyncio.create_task(self._keep_claims(ids), name=f"outbox-claims-{self.owner}"))
+
+        timer = asyncio.get_running_loop().call_later(self.options.extend_every_s, keep)
         try:
-            per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
+            if len(lanes) == 1:  # one room: its lane awaited here, no task of its own
+                per_room = [await lane(next(iter(lanes.values())))]
+            else:
+                per_room = await asyncio.gather(*(lane(room_rows) for room_rows in lanes.values()))
         finally:
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
+            timer.cancel()
+            for task in keeper:
+                task.cancel()
+            await asyncio.gather(*keeper, return_exceptions=True)
         # decided before the deferral is written: if that fails, the next cycle writes this
         # finish first and then hands the untried rows back (release), none delivered twice
         decided = self._unfinished = self._decide([outcome for outcomes in per_room for outcome in outcomes])
@@ -330,8 +376,24 @@ class OutboxWorker:
             self._deferred = True
         # every claimed row is now deferred or decided: a failed finish is retried as it is
         self._may_hold_claims = False
+        if len(rows) < self.options.batch_size and not untried:
+            await self._linger()
         await self._finish(decided)
         return len(rows)
+
+    async def _linger(self) -> None:
+        """Before finishing a batch that left nothing behind, wait up to ``finish_linger_s``
+        for the next commit's wake-up, so that finish and the next claim are one transaction
+        (not a finish now and a claim of its own a moment later). The rows were published
+        and their decisions (``delivered_at_ms`` included) are taken already: only writing
+        them waits. A row committed meanwhile is claimed by that same transaction as soon as
+        its wake-up comes, as soon as a claim of its own would have been."""
+        linger = self.options.finish_linger_s
+        if linger <= 0 or self._wakeup.is_set() or self._stopping:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(linger):
+                await self._wakeup.wait()
 
     async def _finish(self, decided: _Finish) -> None:
         """Write a batch's decisions, claiming the next batch in the same transaction;
@@ -382,20 +444,21 @@ class OutboxWorker:
                 _log.info("outbox_claims_released", owner=self.owner, rows=released, reason="failed_cycle")
 
     async def _keep_claims(self, row_ids: list[int]) -> None:
-        """Extend this batch's claims every ``lock_timeout / 3`` until cancelled."""
+        """Extend this batch's claims now and every ``lock_timeout / 3`` until cancelled
+        (started ``lock_timeout / 3`` into the batch)."""
         while True:
-            await asyncio.sleep(self.options.extend_every_s)
             try:
                 kept = await self.repository.extend(
                     owner=self.owner, row_ids=row_ids, now_ms=self.clock(), lock_ms=self.options.lock_ms
                 )
             except Exception as exc:  # the next try may land; the finish is guarded anyway
                 _log.warning("outbox_claims_not_extended", owner=self.owner, rows=len(row_ids), error=repr(exc))
-                continue
-            self.claims_extended += 1
-            self._beat()
-            if kept < len(row_ids):
-                _log.warning("outbox_claims_lost", owner=self.owner, expected=len(row_ids), changed=kept)
+            else:
+                self.claims_extended += 1
+                self._beat()
+                if kept < len(row_ids):
+                    _log.warning("outbox_claims_lost", owner=self.owner, expected=len(row_ids), changed=kept)
+            await asyncio.sleep(self.options.extend_every_s)
 
     def _targets_needed(self, row: ClaimedRow) -> tuple[str, ...]:
         key = (row.event_type, row.targets_done)
@@ -446,6 +509,97 @@ class OutboxWorker:
                 permanent = permanent or error[0]
         return Outcome(row, frozenset(done), delivered=False, permanent=permanent, error="; ".join(errors))
 
+    def _pipelined(self, row: ClaimedRow) -> tuple[str, Any] | None:
+        """(target, publisher) when the row needs one target whose publisher pipelines, else None
+        (tracing on: every row takes the traced path)."""
+        if tracing.ENABLED:
+            return None
+        needed = self._targets_needed(row)
+        if len(needed) != 1:
+            return None
+        publisher = self.publishers.get(needed[0])
+        if publisher is None or not getattr(publisher, "pipelined", False):
+            return None
+        return needed[0], publisher
+
+    async def _send(self, row: ClaimedRow, target: str, publisher: Any, release: Callable[[], None]) -> _Sent:
+        """Send ``row`` to a pipelining publisher: once this returns it is queued behind the rows
+        sent before it. ``release`` runs once its attempt is over (acknowledged, failed, or past
+        ``publish_timeout``, whichever comes first); ``_Sent.outcome`` then holds its Outcome."""
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[Outcome] = loop.create_future()
+        started = time.perf_counter()
+        timeout = self.options.publish_timeout_s
+        deadline = loop.time() + timeout
+        with bound_contextvars(event_id=row.event_id):
+            try:
+                _check_envelope(row.payload)
+            except Exception as exc:  # an undecodable row can never be delivered
+                release()
+                outcome.set_result(
+                    Outcome(row, row.targets_done, delivered=False, permanent=True, error=f"undecodable: {exc!r}")
+                )
+                return _Sent(outcome, outcome)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    ack: asyncio.Future[None] = await publisher.send_claimed(
+                        event_id=row.event_id,
+                        event_type=row.event_type,
+                        app_code=row.app_code,
+                        room_id=row.room_id,
+                        payload=row.payload,
+                    )
+            except asyncio.CancelledError:
+                release()
+                raise
+            except Exception as exc:
+                release()
+                outcome.set_result(self._attempted(row, target, started, exc))
+                return _Sent(outcome, outcome)
+
+        def expire() -> None:  # the attempt's deadline: no acknowledgement by then is a timeout
+            if not ack.done():
+                ack.cancel()
+
+        timer = loop.call_at(deadline, expire)
+
+        def acknowledged(done: asyncio.Future[None]) -> None:
+            timer.cancel()
+            release()
+            if done.cancelled():
+                error: BaseException | None = TimeoutError()
+            else:
+                error = done.exception()
+            outcome.set_result(self._attempted(row, target, started, error))
+
+        ack.add_done_callback(acknowledged)
+        return _Sent(ack, outcome)
+
+    def _attempted(self, row: ClaimedRow, target: str, started: float, error: BaseException | None) -> Outcome:
+        """The Outcome of a pipelined attempt at ``row``'s one target (counted as ``_publish`` counts)."""
+        result = self._result(target, started, error)
+        if result is None:
+            return Outcome(row, row.targets_done | {target}, delivered=True)
+        permanent, message = result
+        return Outcome(row, row.targets_done, delivered=False, permanent=permanent, error=f"{target}: {message}")
+
+    def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
+        """An attempt's end: None on success, else (permanent, message); beats and counts it."""
+        timeout = self.options.publish_timeout_s
+        if error is None:
+            outcome, result = "ok", None
+        elif isinstance(error, TimeoutError):
+            outcome, result = "timeout", (False, f"timed out after {timeout:g}s")
+        elif isinstance(error, PublishError):
+            outcome = "retryable" if error.retryable else "permanent"
+            result = (not error.retryable, str(error) or type(error).__name__)
+        else:  # a publisher bug is retried, like an outage
+            outcome, result = "retryable", (False, repr(error))
+        self._beat()
+        _count_delivery(target, outcome)
+        _observe_publish(target, time.perf_counter() - started)
+        return result
+
     async def _publish(
         self, target: str, publisher: Publisher | None, row: ClaimedRow, event: Event | None
     ) -> tuple[bool, str] | None:
@@ -471,19 +625,9 @@ class OutboxWorker:
                     )
                 else:
                     await publisher.publish(event, payload=row.payload, deadline=deadline)
-        except TimeoutError:
-            outcome, result = "timeout", (False, f"timed out after {timeout:g}s")
-        except PublishError as exc:
-            outcome = "retryable" if exc.retryable else "permanent"
-            result = (not exc.retryable, str(exc) or type(exc).__name__)
-        except Exception as exc:  # a publisher bug is retried, like an outage
-            outcome, result = "retryable", (False, repr(exc))
-        else:
-            outcome, result = "ok", None  # type: ignore[assignment]
-        self._beat()
-        _count_delivery(target, outcome)
-        _observe_publish(target, time.perf_counter() - started)
-        return result
+        except Exception as exc:
+            return self._result(target, started, exc)
+        return self._result(target, started, None)
 
     def _decide(self, outcomes: list[Outcome]) -> _Finish:
         """How each row ends (logged and counted once, however often the write is retried)."""

@@ -1,0 +1,186 @@
+"""A room's lane on a pipelining publisher (issue 12): rows sent in version order without waiting for
+each acknowledgement; every row's outcome, retry and dead letter exactly as on the serial path."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from tests.service.conftest import T0, Clock
+from tests.service.test_outbox_worker import JOINED, insert_rows, make_event, row
+
+from roomservice.domain import events as e
+from roomservice.outbox.model import BROKER, TREASURE_WAKEUP, PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.fake import FakePublisher
+from roomservice.publishers.port import PermanentError, PublisherSet, RetryableError
+from roomservice.store.database import Database
+
+INITIAL = 1_000
+
+
+class PipeliningPublisher:
+    """A broker target that pipelines: ``send_claimed`` records the send and hands back an
+    acknowledgement the test settles (``settle``), or that settles itself (``auto``)."""
+
+    name = BROKER
+    pipelined = True
+
+    def __init__(self, *, auto: bool = True) -> None:
+        self.auto = auto
+        self.sent: list[str] = []  # event ids in the order they were sent
+        self.serial: list[str] = []  # event ids published the serial way
+        self.acks: dict[str, asyncio.Future[None]] = {}
+        self.outstanding_at_send: list[int] = []  # acknowledgements not yet settled when each row was sent
+        self.fail: dict[str, Exception] = {}  # event id -> the error its acknowledgement fails with
+        self.refuse: dict[str, Exception] = {}  # event id -> the error its send raises
+        self.never: set[str] = set()  # event ids whose acknowledgement never comes
+        self.sends = asyncio.Event()
+        self.expected_sends = 0
+
+    def _outstanding(self) -> int:
+        return sum(1 for f in self.acks.values() if not f.done())
+
+    async def send_claimed(self, *, event_id: str, **_: Any) -> asyncio.Future[None]:
+        if event_id in self.refuse:
+            raise self.refuse[event_id]
+        self.outstanding_at_send.append(self._outstanding())
+        self.sent.append(event_id)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.acks[event_id] = ack
+        if self.auto and event_id not in self.never:
+            asyncio.get_running_loop().call_soon(self.settle, event_id)
+        if len(self.sent) >= self.expected_sends:
+            self.sends.set()
+        return ack
+
+    def settle(self, event_id: str) -> None:
+        ack = self.acks[event_id]
+        if ack.done():
+            return
+        if event_id in self.fail:
+            ack.set_exception(self.fail[event_id])
+        else:
+            ack.set_result(None)
+
+    async def publish_claimed(self, *, event_id: str, **_: Any) -> None:
+        self.outstanding_at_send.append(self._outstanding())
+        self.serial.append(event_id)
+
+    async def publish(self, event: e.Event, **_: Any) -> None:  # a row decoded for another target
+        await self.publish_claimed(event_id=event.event_id)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def worker(
+    database: Database, clock: Clock, publisher: Any, *, extra: dict[str, Any] | None = None, **options: Any
+) -> OutboxWorker:
+    return OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({BROKER: publisher, **(extra or {})}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=8_000, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.MQ, **options),
+        clock=clock,
+    )
+
+
+def one_room(n: int) -> list[e.Event]:
+    return [make_event(JOINED, room="busy", version=v) for v in range(1, n + 1)]
+
+
+async def test_a_rooms_rows_are_sent_in_version_order_without_waiting_for_each_acknowledgement(
+    database: Database, clock: Clock
+) -> None:
+    events = one_room(6)
+    await insert_rows(database, *reversed(events))  # ids against the version order
+    publisher = PipeliningPublisher()
+    assert await worker(database, clock, publisher).run_once() == 6
+    assert publisher.sent == [ev.event_id for ev in events]
+    # a serial lane would have sent each row after the last one was acknowledged (0 outstanding)
+    assert publisher.outstanding_at_send == list(range(6))
+    for ev in events:
+        r = await row(database, ev.event_id)
+        assert (r.status, r.targets_done, r.delivered_at_ms, r.retry_count) == ("delivered", BROKER, T0, 0)
+
+
+async def test_failures_in_a_pipeline_end_their_own_rows_only_as_on_the_serial_path(
+    database: Database, clock: Clock
+) -> None:
+    ok1, retry_ack, dead_ack, retry_send, dead_send, ok2 = one_room(6)
+    await insert_rows(database, ok1, retry_ack, dead_ack, retry_send, dead_send, ok2)
+    publisher = PipeliningPublisher()
+    publisher.fail[retry_ack.event_id] = RetryableError("broker nats unavailable: reconnecting")
+    publisher.fail[dead_ack.event_id] = PermanentError("broker nats refused the event: too large")
+    publisher.refuse[retry_send.event_id] = RetryableError("broker nats unavailable: not connected")
+    publisher.refuse[dead_send.event_id] = PermanentError("broker nats refused the event: bad header")
+    await worker(database, clock, publisher).run_once()
+    assert publisher.sent == [ok1.event_id, retry_ack.event_id, dead_ack.event_id, ok2.event_id]
+    for ev in (ok1, ok2):
+        assert (await row(database, ev.event_id)).status == "delivered"
+    for ev, error in ((retry_ack, "reconnecting"), (retry_send, "not connected")):
+        r = await row(database, ev.event_id)
+        assert (r.status, r.retry_count, r.next_retry_at_ms, r.targets_done) == ("retryable", 1, T0 + INITIAL, "")
+        assert r.last_error.startswith("broker: ") and error in r.last_error
+    for ev, error in ((dead_ack, "too large"), (dead_send, "bad header")):
+        r = await row(database, ev.event_id)
+        assert (r.status, r.retry_count) == ("failed", 1) and error in r.last_error
+
+
+async def test_an_acknowledgement_that_never_comes_times_out_alone_and_is_let_go(
+    database: Database, clock: Clock
+) -> None:
+    first, lost, last = one_room(3)
+    await insert_rows(database, first, lost, last)
+    publisher = PipeliningPublisher()
+    publisher.never.add(lost.event_id)
+    await worker(database, clock, publisher, publish_timeout_s=0.2).run_once()
+    assert publisher.acks[lost.event_id].cancelled()  # given up: the publisher can drop what it kept
+    r = await row(database, lost.event_id)
+    assert (r.status, r.retry_count) == ("retryable", 1) and "timed out after 0.2s" in r.last_error
+    assert [(await row(database, ev.event_id)).status for ev in (first, last)] == ["delivered", "delivered"]
+
+
+async def test_a_row_that_does_not_pipeline_waits_for_the_acknowledgements_before_it(
+    database: Database, clock: Clock
+) -> None:
+    """A countdown needs the broker and the treasure wake-up: it goes the serial way, after the
+    earlier rows' acknowledgements, and the row after it is sent only once it is done."""
+    countdown = e.RoomTreasureCountdownStarted(box_id="b1", level=1, open_at_ms=T0 + 60_000, open_command_id="open-b1")
+    joined, started, later = (
+        make_event(JOINED, room="busy", version=1),
+        make_event(countdown, room="busy", version=2),
+        make_event(JOINED, room="busy", version=3),
+    )
+    await insert_rows(database, joined, started, later)
+    publisher = PipeliningPublisher()
+    wakeup = FakePublisher(TREASURE_WAKEUP)
+    await worker(database, clock, publisher, extra={TREASURE_WAKEUP: wakeup}).run_once()
+    assert (publisher.sent, publisher.serial) == ([joined.event_id, later.event_id], [started.event_id])
+    assert publisher.outstanding_at_send == [0, 0, 0]
+    assert wakeup.delivered == [started.event_id]
+    for ev in (joined, started, later):
+        assert (await row(database, ev.event_id)).status == "delivered"
+
+
+async def test_shutdown_lets_go_of_outstanding_acknowledgements_and_hands_the_rows_back(
+    database: Database, clock: Clock
+) -> None:
+    events = one_room(4)
+    await insert_rows(database, *events)
+    publisher = PipeliningPublisher(auto=False)
+    publisher.expected_sends = 4
+    w = worker(database, clock, publisher)
+    w.start()
+    await publisher.sends.wait()
+    await w.shutdown()
+    assert all(ack.cancelled() for ack in publisher.acks.values())
+    for ev in events:
+        r = await row(database, ev.event_id)
+        assert (r.status, r.lock_owner, r.retry_count) == ("pending", None, 0)
