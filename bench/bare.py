@@ -304,12 +304,22 @@ async def open_raw(url: str) -> RawSqlite | RawMariaDB:
     return RawSqlite(url) if url.startswith("sqlite") else await RawMariaDB.connect(url)
 
 
-async def claim_finish_cycles(url: str, cycles: int) -> list[float]:
-    """Latency (ms) of one bare claim + finish cycle (two transactions), ``cycles`` times; rows must be pending."""
+async def claim_finish_cycles(url: str, cycles: int, *, rate: float | None = None) -> list[float]:
+    """Latency (ms) of one bare claim + finish cycle (two transactions), ``cycles`` times; rows must be pending.
+
+    Back to back by default (200 cycles take well under a second); with ``rate``, one cycle every
+    ``1/rate`` s (open loop), so that the p99 samples as long a stretch of the machine's time as a
+    latency run paced at that rate (on a shared machine, a second of cycles rarely meets the
+    preemptions a ten-second run meets)."""
     store = await open_raw(url)
     latencies = []
+    start = time.perf_counter()
     try:
-        for _ in range(cycles):
+        for i in range(cycles):
+            if rate is not None:
+                delay = start + i / rate - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             start = time.perf_counter()
             claimed = await store.claim("cycle", time.time_ns() // 1_000_000, 1)
             await store.finish("cycle", time.time_ns() // 1_000_000, [r[0] for r in claimed])
