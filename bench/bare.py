@@ -313,11 +313,11 @@ async def claim_finish_cycles(url: str, cycles: int, *, rate: float | None = Non
     preemptions a ten-second run meets)."""
     store = await open_raw(url)
     latencies = []
-    start = time.perf_counter()
+    paced_from = time.perf_counter()
     try:
         for i in range(cycles):
             if rate is not None:
-                delay = start + i / rate - time.perf_counter()
+                delay = paced_from + i / rate - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
             start = time.perf_counter()

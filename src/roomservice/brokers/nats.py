@@ -47,6 +47,9 @@ Layout (``P`` is ``rocketmq.namespace`` + ``.`` when set, else empty):
 Connection: nats-py connects within ``connect_timeout`` and reconnects forever
 in the background; a publish has its timeout; while disconnected, or when the
 server does not answer in time, calls raise :class:`BrokerUnavailable`.
+``send`` is the pipelined publish (the outbox worker's, for a room's rows): the
+message is queued on the connection, in call order, and its PubAck comes as a
+future (nats-py's ``publish_async``), bounded by the caller.
 """
 
 from __future__ import annotations

@@ -6,7 +6,17 @@
 
 Under load a batch costs one transaction, not two: the finish of one batch carries
 the claim of the next (``finish_and_claim``); a claim runs alone only when the last
-finish found nothing, failed, or the worker is stopping.
+finish found nothing, failed, or the worker is stopping. A batch shorter than
+``batch_size`` waits up to ``finish_linger_s`` (10 ms) before its finish for the next
+commit's wake-up, so that at moderate rates too the finish carries the next claim (the
+rows' decisions are taken before the wait; only their write waits).
+
+A room's rows are published in version order, each after the one before it ended —
+except that rows whose one target pipelines (the broker publisher on NATS: messages
+queued on one connection keep their order) are sent one after another without waiting
+for each acknowledgement; every row still gets its own outcome, retry or dead letter,
+within its own ``publish_timeout``, exactly as one at a time, and a row of any other
+kind waits for the acknowledgements before it.
 
 No transaction is open while publishing. A commit wakes the worker at once
 (``wake()``); ``poll_interval`` is only the fallback for rows committed by other
