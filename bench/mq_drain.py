@@ -22,7 +22,8 @@ Every run uses its own database (dropped afterwards) and its own JetStream strea
 and topic on the shared NATS (deleted afterwards).
 
     .venv/bin/python -m bench.mq_drain [--backend sqlite|mariadb|both] [--rows N] [--rounds R]
-        [--batch B] [--concurrency C] [--rate EV_PER_S] [--seconds S] [--rooms N] [--skip-latency]
+        [--batch B] [--concurrency C] [--rate EV_PER_S] [--seconds S] [--rooms N] [--drain-rooms N]
+        [--skip-latency]
 
 ``--rounds 0`` skips the drain (latency only).
 """
@@ -70,9 +71,9 @@ DRAIN_TIMEOUT_S = 300.0
 # --------------------------------------------------------------------------- rows
 
 
-def realistic_event(i: int, now_ms: int) -> e.Event:
+def realistic_event(i: int, now_ms: int, rooms: int = ROOMS) -> e.Event:
     """One of the events a voice room emits most, with ids of production-like length."""
-    room = f"room_{100_000 + i % ROOMS}"
+    room = f"room_{100_000 + i % rooms}"
     user = f"user_{10_000_000 + i}"
     kinds: list[e.EventPayload] = [
         e.RoomUserJoined(user_id=user, role="audience"),
@@ -88,10 +89,10 @@ def realistic_event(i: int, now_ms: int) -> e.Event:
         e.RoomMicLeft(user_id=user, seat=i % 8),
         e.RoomUserLeft(user_id=user),
     ]
-    return e.Event(uuid.uuid4().hex, APP, room, i // ROOMS + 2, now_ms, kinds[i % len(kinds)])
+    return e.Event(uuid.uuid4().hex, APP, room, i // rooms + 2, now_ms, kinds[i % len(kinds)])
 
 
-async def seed(url: str, rows: int) -> int:
+async def seed(url: str, rows: int, rooms: int = ROOMS) -> int:
     """``rows`` pending outbox rows; returns the mean payload size in bytes."""
     db = Database.from_url(url)
     try:
@@ -100,7 +101,7 @@ async def seed(url: str, rows: int) -> int:
         values = []
         payload_bytes = 0
         for i in range(rows):
-            ev = realistic_event(i, now)
+            ev = realistic_event(i, now, rooms)
             payload = encode_event(ev)
             payload_bytes += len(payload)
             values.append(
@@ -192,10 +193,12 @@ def mq_settings(url: str, data_dir: str, names: Names, *, batch: int | None, con
     return load_settings().with_data_dir(Path(data_dir)).with_overrides(overrides)
 
 
-async def ours_drain(backend: str, rows: int, batch: int | None, concurrency: int | None) -> dict[str, float]:
+async def ours_drain(
+    backend: str, rows: int, batch: int | None, concurrency: int | None, rooms: int = ROOMS
+) -> dict[str, float]:
     names = Names.fresh("ours")
     async with fresh_database(backend) as url:
-        payload = await seed(url, rows)
+        payload = await seed(url, rows, rooms)
         try:
             with tempfile.TemporaryDirectory() as data_dir:
                 settings = mq_settings(url, data_dir, names, batch=batch, concurrency=concurrency)
@@ -289,10 +292,10 @@ class RawPublisher:
         await asyncio.gather(*(one(row) for row in rows))
 
 
-async def raw_drain(backend: str, rows: int, batch: int, concurrency: int) -> dict[str, float]:
+async def raw_drain(backend: str, rows: int, batch: int, concurrency: int, rooms: int = ROOMS) -> dict[str, float]:
     names = Names.fresh("raw")
     async with fresh_database(backend) as url:
-        payload = await seed(url, rows)
+        payload = await seed(url, rows, rooms)
         with tempfile.TemporaryDirectory() as data_dir:
             settings = mq_settings(url, data_dir, names, batch=batch, concurrency=concurrency)
         nc, publisher = await RawPublisher.open(names, settings, concurrency)
@@ -413,8 +416,8 @@ async def run(args: argparse.Namespace) -> None:
         for round_ in range(1, args.rounds + 1):
             # alternate the order so neither side always runs on a warmer machine
             steps: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
-                ("ours", lambda b=backend: ours_drain(b, args.rows, batch, concurrency)),  # type: ignore[misc]
-                ("raw", lambda b=backend: raw_drain(b, args.rows, batch, concurrency)),  # type: ignore[misc]
+                ("ours", lambda b=backend: ours_drain(b, args.rows, batch, concurrency, args.drain_rooms)),  # type: ignore[misc]
+                ("raw", lambda b=backend: raw_drain(b, args.rows, batch, concurrency, args.drain_rooms)),  # type: ignore[misc]
             ]
             if round_ % 2 == 0:
                 steps.reverse()
@@ -426,7 +429,8 @@ async def run(args: argparse.Namespace) -> None:
                 f"[{backend}] round {round_}: mq drain {ours['rate']:7.0f} events/s ({ours['seconds']:.2f} s)   "
                 f"raw claim+js.publish+finish {raw['rate']:7.0f} events/s ({raw['seconds']:.2f} s)   "
                 f"ratio {ratio:.2f}x (target >= 0.80)   [{args.rows} rows, batch {ours['batch']:.0f}, "
-                f"publish concurrency {ours['concurrency']:.0f}, payload {ours['payload']:.0f} B]",
+                f"publish concurrency {ours['concurrency']:.0f}, payload {ours['payload']:.0f} B, "
+                f"{args.drain_rooms} rooms]",
                 flush=True,
             )
         if len(ratios) > 1:
@@ -472,6 +476,9 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=200, help="events/s of the latency run")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
     parser.add_argument("--rooms", type=int, default=50, help="rooms of the latency run (1: one busy room)")
+    parser.add_argument(
+        "--drain-rooms", type=int, default=ROOMS, help="rooms the drain's rows are spread over (1: one busy room)"
+    )
     parser.add_argument("--skip-latency", action="store_true")
     args = parser.parse_args()
     configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
