@@ -17,7 +17,8 @@ Three figures per backend, measured in the same run, concurrency 64 over 1,000 r
 200 events/s in direct mode with instant publishers, the worker in the same process as
 the commands, beside the p99 of one bare claim + finish cycle (bench.bare) in the same run: 200
 cycles back to back, and as many cycles as events paced at the same rate (the p99 then samples
-as long a stretch of the machine's time as the latency run does).
+as long a stretch of the machine's time as the latency run does), and the process's CPU per
+event over the run (commands and worker, all threads).
 
 Ratios are against the bare driver of the same run. The store's transaction count
 comes from its group-commit counters.
@@ -329,7 +330,7 @@ async def commit_to_delivered(backend: str, *, rate: int, seconds: float) -> Non
                 for r in range(LATENCY_ROOMS):
                     await svc.execute(APP, f"lat{r}", "create", c.CreateRoom(owner_id="o", title="latency"))
                 total = int(rate * seconds)
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 for i in range(total):  # open loop: one command every 1/rate s
                     delay = start + i / rate - time.perf_counter()
                     if delay > 0:
@@ -348,6 +349,7 @@ async def commit_to_delivered(backend: str, *, rate: int, seconds: float) -> Non
                     if len(rows) == total and all(d is not None for _, d in rows):
                         break
                     await asyncio.sleep(0.1)
+                cpu_ms = (time.process_time() - cpu_start) * 1000 / total  # process, all threads, per event
                 batches = rt.worker.batches if rt.worker is not None else 0
     lat = [float(d - c_) for c_, d in rows if d is not None]
     async with fresh_database(backend) as url:
@@ -359,7 +361,8 @@ async def commit_to_delivered(backend: str, *, rate: int, seconds: float) -> Non
     p99, bare_p99, paced_p99 = percentile(lat, 0.99), percentile(cycle, 0.99), percentile(paced, 0.99)
     print(
         f"[{backend}] commit -> delivered at {rate} events/s (direct mode, instant publishers, worker in process): "
-        f"p50 {percentile(lat, 0.5):.0f} ms, p99 {p99:.0f} ms over {len(lat)}/{total} events in {batches} batches; "
+        f"p50 {percentile(lat, 0.5):.0f} ms, p99 {p99:.0f} ms over {len(lat)}/{total} events in {batches} batches, "
+        f"process CPU {cpu_ms:.2f} ms per event (commands and worker, until all delivered); "
         f"bare claim+finish cycle p50 {percentile(cycle, 0.5):.2f} ms, p99 {bare_p99:.2f} ms (200 back to back), "
         f"p50 {percentile(paced, 0.5):.2f} ms, p99 {paced_p99:.2f} ms ({total} paced at {rate}/s); "
         f"p99 ratio {p99 / max(bare_p99, 1e-9):.1f}x / {p99 / max(paced_p99, 1e-9):.1f}x "

@@ -341,7 +341,8 @@ class OutboxWorker:
                     if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
                         untried.extend(room_rows[n:])
                         break
-                    pipelined = self._pipelined(row)
+                    # a room's only row gains nothing from pipelining: it takes the plain path
+                    pipelined = self._pipelined(row) if len(room_rows) > 1 else None
                     if pipelined is None and sent:
                         outcomes.extend([await s.outcome for s in sent])
                         sent = []
