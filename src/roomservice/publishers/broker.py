@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import cast
+from typing import NoReturn, cast
 
 from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage, PipelinedBroker
 from roomservice.domain.events import Event
@@ -72,9 +72,9 @@ class BrokerPublisher:
         if tracing.ENABLED:  # the message's headers carry the publish span's context
             with tracing.broker_publish_span(self.topic, key=event_id, tag=event_type, broker=self.broker.name) as tc:
                 headers = {**(headers or {}), **tc}
-                await self._send(event_id, event_type, app_code, room_id, payload, remaining, headers)
+                await self._send(self._message(event_id, event_type, app_code, room_id, payload, headers), remaining)
         else:
-            await self._send(event_id, event_type, app_code, room_id, payload, remaining, headers)
+            await self._send(self._message(event_id, event_type, app_code, room_id, payload, headers), remaining)
 
     @property
     def pipelined(self) -> bool:
@@ -96,10 +96,7 @@ class BrokerPublisher:
         try:
             ack = await broker.send(message)
         except Exception as exc:
-            failure = self._failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._reraise(exc)
         return relay(ack, _nothing, self._failure)
 
     def _message(
@@ -120,24 +117,17 @@ class BrokerPublisher:
             headers=dict(headers) if headers else {},
         )
 
-    async def _send(
-        self,
-        event_id: str,
-        event_type: str,
-        app_code: str,
-        room_id: str,
-        payload: bytes,
-        remaining: float,
-        headers: Mapping[str, str] | None,
-    ) -> None:
-        message = self._message(event_id, event_type, app_code, room_id, payload, headers)
+    async def _send(self, message: OutgoingMessage, remaining: float) -> None:
         try:
             await self.broker.publish(message, timeout_s=remaining)
         except Exception as exc:
-            failure = self._failure(exc)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._reraise(exc)
+
+    def _reraise(self, exc: Exception) -> NoReturn:
+        failure = self._failure(exc)
+        if failure is exc:
+            raise exc
+        raise failure from exc
 
     def _failure(self, exc: BaseException) -> BaseException:
         """The publisher port's error for what the broker raised (``exc`` itself when it passes)."""
