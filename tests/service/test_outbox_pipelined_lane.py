@@ -184,3 +184,13 @@ async def test_shutdown_lets_go_of_outstanding_acknowledgements_and_hands_the_ro
     for ev in events:
         r = await row(database, ev.event_id)
         assert (r.status, r.lock_owner, r.retry_count) == ("pending", None, 0)
+
+
+async def test_a_rooms_only_row_in_a_batch_takes_the_plain_path(database: Database, clock: Clock) -> None:
+    alone, *busy = [make_event(JOINED, room="quiet"), *one_room(2)]
+    await insert_rows(database, alone, *busy)
+    publisher = PipeliningPublisher()
+    assert await worker(database, clock, publisher).run_once() == 3
+    assert (publisher.serial, publisher.sent) == ([alone.event_id], [ev.event_id for ev in busy])
+    for ev in (alone, *busy):
+        assert (await row(database, ev.event_id)).status == "delivered"
