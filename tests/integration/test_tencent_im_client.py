@@ -1,4 +1,6 @@
-"""The real Tencent IM client against the IM sandbox over loopback HTTP.
+"""The real Tencent IM client against the IM sandbox, over loopback HTTP and over the
+in-process transport the embedded mode uses (every test runs both ways: same answers, same
+faults, same error classification).
 
 Covers every operation's happy path, the classification of each error family, the
 UserSig cache and refresh, the client-side rate limit (token bucket with a fake clock,
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import pytest_asyncio
 from pydantic import SecretStr
@@ -42,10 +45,20 @@ KEY = "sandbox-secret-key"
 ADMIN = "administrator"
 
 
-@pytest_asyncio.fixture
-async def sandbox() -> AsyncIterator[RunningSandbox]:
+class _ReachedInProcess(RunningSandbox):
+    """The same running sandbox, reached by its clients without a socket."""
+
+    def transport(self) -> httpx.AsyncBaseTransport:
+        return self.in_process_transport()
+
+
+@pytest_asyncio.fixture(params=["tcp", "in-process"])
+async def sandbox(request: pytest.FixtureRequest) -> AsyncIterator[RunningSandbox]:
     async with running_sandbox(APP, KEY) as running:
-        yield running
+        if request.param == "tcp":
+            yield running
+        else:
+            yield _ReachedInProcess(running.state, running.host, running.port, running.uds)
 
 
 def make_client(sandbox: RunningSandbox, **overrides: Any) -> TencentImClient:

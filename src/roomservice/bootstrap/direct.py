@@ -79,7 +79,7 @@ async def start_im(core: Core) -> ImParts:
             base_url=sandbox.base_url,
             sdk_app_id=sdk_app_id,
             secret_key=secret,
-            transport=sandbox.transport(),
+            transport=sandbox.in_process_transport(),  # the same process: no socket, no HTTP stack
         )
         core.health.register("im_sandbox", _http_check(f"{sandbox.base_url}/_sandbox/healthz", sandbox.transport()))
         kept = sandbox.state.persistence()

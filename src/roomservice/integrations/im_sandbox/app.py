@@ -51,7 +51,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from roomservice.integrations.im_sandbox.state import SandboxState
 
-__all__ = ["SandboxConnectionReset", "create_app"]
+__all__ = ["OUTAGE_BODY", "SandboxConnectionReset", "create_app", "injected_fault", "render_json"]
 
 
 class SandboxConnectionReset(Exception):
@@ -73,6 +73,24 @@ def _install_log_filter() -> None:
         logger.addFilter(_quiet)
 
 
+OUTAGE_BODY = b"service unavailable (sandbox outage)"  # what an http_503 outage answers
+
+
+async def injected_fault(state: SandboxState, service: str, command: str, identifier: Callable[[], str]) -> str | None:
+    """The injected outage or latency one REST call meets before :meth:`SandboxState.handle`:
+    the outage mode (``http_503``, ``reset``: recorded, the caller answers accordingly), or
+    ``None`` once any injected latency has passed. Shared by every way into the sandbox."""
+    outage = state.outage
+    if outage is not None:
+        state.record(service, command, identifier(), 503 if outage == "http_503" else 0, 0)
+        return outage
+    latency = state.latency_for(command)
+    if latency > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.stopping.wait(), latency)
+    return None
+
+
 class _Faults:
     """Outage and latency for the REST paths, in front of the Starlette app."""
 
@@ -87,22 +105,18 @@ class _Faults:
             return
         parts = path.split("/")
         service, command = (parts[2], parts[3]) if len(parts) >= 4 else ("", "")
-        outage = self.state.outage
+        outage = await injected_fault(self.state, service, command, lambda: _query_value(scope, "identifier"))
+        if outage == "http_503":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(OUTAGE_BODY)).encode())],
+                }
+            )
+            await send({"type": "http.response.body", "body": OUTAGE_BODY})
+            return
         if outage is not None:
-            identifier = _query_value(scope, "identifier")
-            if outage == "http_503":
-                self.state.record(service, command, identifier, 503, 0)
-                body = b"service unavailable (sandbox outage)"
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 503,
-                        "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
-                return
-            self.state.record(service, command, identifier, 0, 0)
             await send(
                 {
                     "type": "http.response.start",
@@ -112,10 +126,6 @@ class _Faults:
             )
             await send({"type": "http.response.body", "body": b'{"ActionStatus":', "more_body": True})
             raise SandboxConnectionReset("sandbox outage: connection reset")
-        latency = self.state.latency_for(command)
-        if latency > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.state.stopping.wait(), latency)
         await self.app(scope, receive, send)
 
 
@@ -123,6 +133,11 @@ def _query_value(scope: Scope, name: str) -> str:
     raw = scope.get("query_string", b"").decode("latin-1")
     values = parse_qs(raw).get(name)
     return values[0] if values else ""
+
+
+def render_json(content: Any) -> bytes:
+    """A REST answer's body, as Starlette's JSONResponse renders it."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
 
 
 def _ok(data: Any = None, status: int = 200) -> JSONResponse:
@@ -157,7 +172,7 @@ def create_app(state: SandboxState) -> ASGIApp:
             return Response(status_code=499)
         query = {k: v for k, v in request.query_params.items()}
         reply = state.handle(request.path_params["service"], request.path_params["command"], query, body)
-        return JSONResponse(reply.body, status_code=reply.status)
+        return Response(render_json(reply.body), status_code=reply.status, media_type="application/json")
 
     def control(fn: Callable[[Request, dict[str, Any]], Any]) -> Handler:
         async def endpoint(request: Request) -> Response:

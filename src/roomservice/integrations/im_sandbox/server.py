@@ -26,6 +26,7 @@ import uvicorn
 from roomservice.integrations.im_sandbox.app import create_app
 from roomservice.integrations.im_sandbox.journal import SandboxJournal, state_file
 from roomservice.integrations.im_sandbox.state import SandboxState
+from roomservice.integrations.im_sandbox.transport import InProcessTransport
 
 __all__ = ["RunningSandbox", "run_sandbox", "running_sandbox"]
 
@@ -54,6 +55,10 @@ class RunningSandbox:
     def transport(self) -> httpx.AsyncBaseTransport | None:
         """The httpx transport reaching the sandbox (``None``: the default TCP one)."""
         return httpx.AsyncHTTPTransport(uds=self.uds) if self.uds is not None else None
+
+    def in_process_transport(self) -> httpx.AsyncBaseTransport:
+        """The transport for a client in the sandbox's own process: no socket (:mod:`.transport`)."""
+        return InProcessTransport(self.state)
 
 
 def _bind(host: str, port: int, uds: str | None) -> socket.socket:
