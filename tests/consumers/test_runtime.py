@@ -246,3 +246,61 @@ async def test_lines_a_handler_logs_name_the_group_and_the_event(broker: FakeBro
         await runtime.shutdown(grace_s=1)
     line = next(e for e in logs if e["event"] == "handling")
     assert (line["consumer_group"], line["event_id"]) == (GROUP, "ev-1")
+
+
+class CountingFetches(FakeBroker):
+    """The in-memory broker, recording what each fetch asked for and got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fetches: list[tuple[int, int]] = []  # (max_messages, deliveries)
+
+    async def fetch(
+        self, topic: str, group: str, *, max_messages: int, wait_s: float, visibility_s: float
+    ) -> list[Delivery]:
+        got = await super().fetch(topic, group, max_messages=max_messages, wait_s=wait_s, visibility_s=visibility_s)
+        self.fetches.append((max_messages, len(got)))
+        return list(got)
+
+
+async def test_a_fetch_takes_only_what_can_start_and_none_while_every_slot_is_busy() -> None:
+    broker = CountingFetches()
+    handler = Recorder()
+    handler.block.clear()
+    runtime = ConsumerRuntime(broker, [(handler, options(concurrency=3, batch_size=32))])
+    await publish(broker, *(f"e{i}" for i in range(5)))
+    runtime.start()
+    await until(lambda: len(handler.seen) == 3)  # every slot busy
+    asked_while_busy = len(broker.fetches)
+    await asyncio.sleep(0.2)  # several long-polls' worth (wait_s 0.05): a fetch now would show
+    assert len(broker.fetches) == asked_while_busy
+    stats = await broker.group_stats(TOPIC, GROUP)
+    assert (stats.lag, stats.in_flight) == (5, 3)  # no delivery taken out with no slot to run in
+    handler.block.set()
+    await until(lambda: sorted(handler.applied) == [f"e{i}" for i in range(5)])
+    await until(lambda: _lag(broker, 0))
+    await runtime.shutdown(grace_s=1)
+    assert broker.fetches[0] == (3, 3)  # as many as there were free slots, not batch_size
+    assert all(asked <= 3 for asked, _ in broker.fetches)
+    assert [count for _, count in handler.seen] == [1] * 5  # nothing waited out its visibility for a slot
+    await broker.close()
+
+
+async def test_one_failing_delivery_of_a_fetched_batch_fails_alone(broker: FakeBroker) -> None:
+    handler = Recorder()
+    handler.failing.add("e2")
+    handler.block.clear()  # all four are fetched together before any is handled
+    runtime = ConsumerRuntime(broker, [(handler, options(max_deliveries=2))])
+    await publish(broker, "e1", "e2", "e3", "e4")
+    runtime.start()
+    await until(lambda: len(handler.seen) == 4)
+    handler.block.set()
+    await until(lambda: sorted(handler.applied) == ["e1", "e3", "e4"])
+    await until(lambda: _dead(broker, 1))
+    await until(lambda: _lag(broker, 0))  # the others acked, the failing one buried
+    await runtime.shutdown(grace_s=1)
+    assert [count for key, count in handler.seen if key != "e2"] == [1, 1, 1]  # acked at their first delivery
+    assert [count for key, count in handler.seen if key == "e2"] == [1, 2]
+    (dead,) = await broker.dead_letters(GROUP)
+    assert dead.key == "e2"
+    assert runtime.runner(GROUP).counts.applied == 3 and runtime.runner(GROUP).counts.failures == 2

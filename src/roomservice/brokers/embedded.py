@@ -321,11 +321,12 @@ class EmbeddedBroker:
         self.cleanup_batch_size = config.cleanup_batch_size
         self._clock = clock
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}  # fetches waiting, per topic
+        self._busy_groups: set[str] = set()  # groups whose last claim in this process handed messages out
         self._closed = False
         # publishes and acks that arrive while the previous one is being written share the next
         # transaction (SQLite has one writer; one transaction per message made them queue)
         self._publishes: Coalesced[tuple[dict[str, Any], int], tuple[int, bool]] = Coalesced(db, _publish_all)
-        self._acks: Coalesced[dict[str, Any], int] = Coalesced(db, _ack_all)
+        self._acks: Coalesced[dict[str, Any], None] = Coalesced(db, _ack_all)
 
     # ------------------------------------------------------------------ publish
 
@@ -382,8 +383,11 @@ class EmbeddedBroker:
             waiters.add(waiter)
             try:
                 now = self._clock()
-                # A read first: an idle group costs no write transaction (SQLite's one writer).
-                due = await self._store(self.db.run_read(_next_due, topic, group))
+                # A read first: an idle group costs no write transaction (SQLite's one writer). Unless the
+                # group's last claim here handed messages out: then more are likely ready, and the claim
+                # checks the group itself.
+                busy = group in self._busy_groups
+                due = now if busy else await self._store(self.db.run_read(_next_due, topic, group))
                 if due is not None and due <= now:
                     params = {
                         "b_group": group,
@@ -394,9 +398,13 @@ class EmbeddedBroker:
                     }
                     got, buried = await self._store(self.db.run_write(claim, topic, params))
                     if got:
+                        self._busy_groups.add(group)
                         return got
+                    self._busy_groups.discard(group)
                     if buried:  # they made room for more: look again at once
                         _log.info("broker_dead_lettered", group=group, messages=buried, reason=CRASHED_REASON)
+                        continue
+                    if busy:  # nothing was ready after all: the read says when to look again
                         continue
                 remaining = deadline - loop.time()
                 if self._closed or remaining <= 0:
@@ -567,8 +575,9 @@ def _publish_all(conn: Connection, messages: list[tuple[dict[str, Any], int]]) -
     return [_publish(conn, values, visible_at_ms) for values, visible_at_ms in messages]
 
 
-def _ack_all(conn: Connection, receipts: list[dict[str, Any]]) -> list[int]:
-    return [conn.execute(_ACK, params).rowcount for params in receipts]
+def _ack_all(conn: Connection, receipts: list[dict[str, Any]]) -> list[None]:
+    conn.execute(_ACK, receipts)  # one executemany; a stale receipt deletes nothing, and nobody asks
+    return [None] * len(receipts)
 
 
 def _declare(conn: Connection, topic: str, group: str, max_deliveries: int, now_ms: int) -> None:

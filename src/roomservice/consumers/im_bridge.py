@@ -149,17 +149,21 @@ class ImBridgeHandler:
         event = decode(delivery.body)  # ValueError: poison, dead-lettered after the limit
         if Target.IM not in targets_of(event.type):
             return Outcome.APPLIED  # nothing for IM: acknowledged with no effect
-        if await self.publisher.already_sent(event):
+        done: set[str] | None = await self.publisher.steps_done(event)
+        if await self.publisher.already_sent(event, done):
             return Outcome.DUPLICATE
         if isinstance(event.payload, e.RoomClosed):
             await self._close_in_order(event, delivery)
-        await self._publish(event, delivery.body)  # PublishError: retried, dead-lettered after the limit
+            done = None  # it waited or sent earlier events meanwhile: the publisher reads its record again
+        await self._publish(event, delivery.body, done=done)  # PublishError: retried, dead-lettered after the limit
         return Outcome.APPLIED
 
-    async def _publish(self, event: e.Event, payload: bytes, deadline: float | None = None) -> None:
+    async def _publish(
+        self, event: e.Event, payload: bytes, deadline: float | None = None, done: set[str] | None = None
+    ) -> None:
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self.publish_timeout_s
-        await self.publisher.publish(event, payload=payload, deadline=deadline)
+        await self.publisher.publish(event, payload=payload, deadline=deadline, done=done)
 
     # ------------------------------------------------------------------ order
 

@@ -64,8 +64,8 @@ class Handler(Protocol):
 @dataclass(frozen=True, slots=True)
 class GroupOptions:
     max_deliveries: int  # 1 + consumer_max_reconsume_times
-    batch_size: int = 32
-    concurrency: int = 8  # deliveries of one group handled at once
+    batch_size: int = 32  # most deliveries one fetch asks for (never more than the free slots)
+    concurrency: int = 32  # deliveries of one group handled at once (as many as a fetch takes)
     visibility_s: float = 30.0  # a delivery not acked by then comes back
     wait_s: float = 1.0  # long-poll of one fetch
     # handle one sharding key's (one room's) deliveries one after the other, in the order they were fetched,
@@ -117,21 +117,28 @@ class GroupRunner:
         await self._declare()
         _log.info("consumer_group_started", group=self.group, topic=self.handler.topic)
         while not self._stopping.is_set():
-            free = max(1, min(opts.batch_size, opts.concurrency - len(self._in_flight)))
+            # Fetch only what can start at once: wait for one free slot, then take every other free one
+            # (a delivery fetched with no slot to run in would spend its visibility timeout waiting).
+            await self._slots.acquire()
+            reserved = 1
+            while reserved < opts.batch_size and not self._slots.locked():
+                await self._slots.acquire()  # free: returns at once
+                reserved += 1
             try:
                 deliveries = await self.broker.fetch(
                     self.handler.topic,
                     self.group,
-                    max_messages=free,
+                    max_messages=reserved,
                     wait_s=opts.wait_s,
                     visibility_s=opts.visibility_s,
                 )
                 self._fetch_failures = 0
             except Exception as exc:
+                self._release(reserved)
                 await self._pause_after_fetch_failure(exc)
                 continue
-            for delivery in deliveries:
-                await self._slots.acquire()
+            self._release(reserved - len(deliveries))
+            for delivery in deliveries:  # each holds one reserved slot until it is settled
                 before = self._last_of_key.get(delivery.sharding_key) if opts.ordered_by_key else None
                 task = asyncio.create_task(
                     self._handle(delivery, after=before), name=f"consume:{self.group}:{delivery.key}"
@@ -141,6 +148,10 @@ class GroupRunner:
                 if opts.ordered_by_key:
                     self._last_of_key[delivery.sharding_key] = task
                     task.add_done_callback(functools.partial(self._forget_key, delivery.sharding_key))
+
+    def _release(self, slots: int) -> None:
+        for _ in range(slots):
+            self._slots.release()
 
     async def _declare(self) -> None:
         while not self._stopping.is_set():

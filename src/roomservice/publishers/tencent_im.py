@@ -156,26 +156,37 @@ class TencentImPublisher:
     def group_of(self, app_code: str, room_id: str) -> str:
         return group_id_for(app_code, room_id, group_type=self.group_type)
 
-    async def already_sent(self, event: e.Event) -> bool:
+    async def steps_done(self, event: e.Event) -> set[str]:
+        """The IM steps of ``event`` (of its original, for a repair) our record shows as done."""
+        return await self.steps.done(e.dedup_id(event))
+
+    async def already_sent(self, event: e.Event, done: set[str] | None = None) -> bool:
         """Has every IM step of ``event`` been recorded as done (so publishing it would send nothing)?
-        A RoomCreated whose group we destroyed since counts as done: it never brings the group back."""
-        done = await self.steps.done(e.dedup_id(event))
+        A RoomCreated whose group we destroyed since counts as done: it never brings the group back.
+        ``done``: :meth:`steps_done` read by the caller a moment ago (None: read it here)."""
+        if done is None:
+            done = await self.steps_done(event)
         if isinstance(event.payload, e.RoomCreated):
             return GROUP in done or await self.steps.destroyed(self.group_of(event.app_code, event.room_id))
         return steps_of(event.type) <= done
 
-    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+    async def publish(
+        self, event: e.Event, *, payload: bytes, deadline: float, done: set[str] | None = None
+    ) -> None:
+        """Do the IM steps of ``event`` our record does not show; ``done``: that record, read by the
+        caller a moment ago (None: read it here)."""
         try:
-            await self._publish(event, deadline)
+            await self._publish(event, deadline, done)
         except im_errors.ImError as exc:
             if exc.retryable:
                 raise RetryableError(str(exc)) from exc
             raise PermanentError(str(exc)) from exc
 
-    async def _publish(self, event: e.Event, deadline: float) -> None:
+    async def _publish(self, event: e.Event, deadline: float, done: set[str] | None) -> None:
         group = self.group_of(event.app_code, event.room_id)
         sent_id = e.dedup_id(event)  # a repair event shares its original's sent record
-        done = await self.steps.done(sent_id)
+        if done is None:
+            done = await self.steps.done(sent_id)
         p = event.payload
         if isinstance(p, e.RoomCreated):
             # a late retry after the room closed must not bring the group back (ids are never reused)

@@ -151,6 +151,29 @@ async def test_a_crash_on_the_last_delivery_is_dead_lettered_with_the_reason(
     assert (dead.reason, dead.delivery_count, dead.dead_at_ms) == (CRASHED_REASON, 1, clock.now_ms)
 
 
+async def test_a_fetch_right_after_one_that_handed_messages_out_claims_checks_and_then_waits(
+    embedded: EmbeddedBroker,
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    keys = [unique("ev") for _ in range(3)]
+    for key in keys:
+        await embedded.publish(message(topic, key), timeout_s=5)
+    first = await embedded.fetch(topic, group, max_messages=2, wait_s=0, visibility_s=30)
+    # the group's last claim handed messages out: the next fetch claims at once, and still checks the group
+    with pytest.raises(BrokerError, match="consumes topic"):
+        await embedded.fetch(unique("topic"), group, max_messages=2, wait_s=0, visibility_s=30)
+    rest = await embedded.fetch(topic, group, max_messages=2, wait_s=0, visibility_s=30)
+    assert [d.key for d in first + rest] == keys
+    # nothing left: no spinning on claims, it waits its wait out, then gets what comes next
+    assert await embedded.fetch(topic, group, max_messages=2, wait_s=0.1, visibility_s=30) == []
+    late = message(topic)
+    waiting = asyncio.create_task(embedded.fetch(topic, group, max_messages=2, wait_s=20, visibility_s=30))
+    await asyncio.sleep(0.05)
+    await embedded.publish(late, timeout_s=5)
+    assert [d.key for d in await asyncio.wait_for(waiting, timeout=10)] == [late.key]
+
+
 # --------------------------------------------------------------------------- retention
 
 
