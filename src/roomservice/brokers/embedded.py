@@ -563,16 +563,23 @@ def _receipt_params(delivery: Delivery) -> dict[str, Any]:
 # Plain synchronous functions of a Connection, run by Database.run_write / run_read.
 
 
-def _publish(conn: Connection, values: dict[str, Any], visible_at_ms: int) -> tuple[int, bool]:
-    stored = conn.execute(_INSERT_MESSAGE, values).rowcount == 1
-    message_id: int = conn.execute(_MESSAGE_ID, {"b_topic": values["topic"], "b_key": values["msg_key"]}).scalar_one()
-    if stored:
-        conn.execute(_FAN_OUT, {"b_id": message_id, "b_topic": values["topic"], "b_visible": visible_at_ms})
-    return message_id, stored
-
-
 def _publish_all(conn: Connection, messages: list[tuple[dict[str, Any], int]]) -> list[tuple[int, bool]]:
-    return [_publish(conn, values, visible_at_ms) for values, visible_at_ms in messages]
+    """Store each message unless its key is retained (then: the retained one's id), then the fan-out
+    of every stored one in one executemany."""
+    results: list[tuple[int, bool]] = []
+    fan_out: list[dict[str, Any]] = []
+    for values, visible_at_ms in messages:
+        inserted = conn.execute(_INSERT_MESSAGE, values)
+        if inserted.rowcount == 1:
+            message_id = int(inserted.lastrowid)
+            fan_out.append({"b_id": message_id, "b_topic": values["topic"], "b_visible": visible_at_ms})
+            results.append((message_id, True))
+        else:  # a retained key: nothing stored, the first message's id
+            key = {"b_topic": values["topic"], "b_key": values["msg_key"]}
+            results.append((int(conn.execute(_MESSAGE_ID, key).scalar_one()), False))
+    if fan_out:
+        conn.execute(_FAN_OUT, fan_out)
+    return results
 
 
 def _ack_all(conn: Connection, receipts: list[dict[str, Any]]) -> list[None]:

@@ -151,6 +151,22 @@ async def test_a_crash_on_the_last_delivery_is_dead_lettered_with_the_reason(
     assert (dead.reason, dead.delivery_count, dead.dead_at_ms) == (CRASHED_REASON, 1, clock.now_ms)
 
 
+async def test_publishes_sharing_a_transaction_fan_out_once_each_and_a_repeated_key_gets_the_first_id(
+    embedded: EmbeddedBroker,
+) -> None:
+    topic, first, second = unique("topic"), unique("g"), unique("g")
+    for group in (first, second):
+        await embedded.declare_group(topic, group, max_deliveries=3)
+    sent = [message(topic) for _ in range(20)]
+    again = sent[3]
+    ids = await asyncio.gather(*(embedded.publish(m, timeout_s=5) for m in [*sent, again, again]))
+    assert len(set(ids[:20])) == 20 and ids[20] == ids[21] == ids[3]  # the repeats stored nothing
+    for group in (first, second):
+        got = await embedded.fetch(topic, group, max_messages=50, wait_s=0, visibility_s=30)
+        assert sorted(d.key for d in got) == sorted(m.key for m in sent)  # once each, to each group
+        assert {d.message_id for d in got} == set(ids)
+
+
 async def test_a_fetch_right_after_one_that_handed_messages_out_claims_checks_and_then_waits(
     embedded: EmbeddedBroker,
 ) -> None:
