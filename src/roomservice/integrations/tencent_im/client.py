@@ -14,6 +14,11 @@ with a JSON body, answered by HTTP 200 and ``{"ActionStatus", "ErrorCode", "Erro
 * **Deadlines**: every request is bounded by ``request_timeout`` and, when given, by
   ``deadline`` (event-loop time, ``loop.time()``), whichever comes first.
 
+A transport that can also answer a REST call itself (:class:`DirectCalls`: the IM sandbox's
+in-process transport) is called directly with the same path, query and body, skipping
+httpx's request and response machinery (URL building and checking, a long UserSig in the
+query, headers, cookies, redirects): everything above is the same either way.
+
 Ids: :func:`group_id_for` maps a room to its custom group id, :func:`account_id_for` a
 user id to an IM account id, :func:`random_for` an event id to the message ``Random``.
 """
@@ -28,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import httpx
 
@@ -51,6 +56,7 @@ __all__ = [
     "GROUP_NAME_MAX_BYTES",
     "USER_ID_MAX_BYTES",
     "C2CMessageResult",
+    "DirectCalls",
     "GroupInfo",
     "GroupMessageResult",
     "TencentImClient",
@@ -164,6 +170,16 @@ class C2CMessageResult:
 # --------------------------------------------------------------------------- client
 
 
+@runtime_checkable
+class DirectCalls(Protocol):
+    """An httpx transport that also answers ``POST /v4/{service}/{command}`` itself: (status, body).
+    Transport failures are raised as httpx's (:class:`httpx.TransportError`)."""
+
+    async def rest_call(
+        self, service: str, command: str, query: Mapping[str, str], body: bytes
+    ) -> tuple[int, bytes]: ...
+
+
 @dataclass(slots=True)
 class _CachedSig:
     sig: str
@@ -209,6 +225,7 @@ class TencentImClient:
         self._loop_clock = loop_clock
         self._limiter = RateLimiter(rate_limit_per_second, burst=rate_limit_burst, clock=loop_clock, sleep=sleep)
         self._http = httpx.AsyncClient(transport=transport, timeout=self.request_timeout)
+        self._direct = transport if isinstance(transport, DirectCalls) else None
         self._sig: _CachedSig | None = None
         self.usersig_generations = 0
 
@@ -304,30 +321,33 @@ class TencentImClient:
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         try:
             async with asyncio.timeout(timeout):
-                response = await self._http.post(
-                    f"{self.base_url}/v4/{service}/{command}",
-                    params=params,
-                    content=content,
-                    headers={"content-type": "application/json"},
-                    timeout=httpx.Timeout(timeout),
-                )
+                if self._direct is not None:
+                    status, answer = await self._direct.rest_call(service, command, params, content)
+                else:
+                    response = await self._http.post(
+                        f"{self.base_url}/v4/{service}/{command}",
+                        params=params,
+                        content=content,
+                        headers={"content-type": "application/json"},
+                        timeout=httpx.Timeout(timeout),
+                    )
+                    status, answer = response.status_code, response.content
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ImRetryableError(f"{api}: timed out after {timeout:.3f}s", command=command) from exc
         except httpx.UnsupportedProtocol as exc:
             raise ImPermanentError(f"{api}: {exc}", command=command) from exc
         except httpx.TransportError as exc:
             raise ImRetryableError(f"{api}: {type(exc).__name__}: {exc}", command=command) from exc
-        return self._read(api, command, response)
+        return self._read(api, command, status, answer)
 
     @staticmethod
-    def _read(api: str, command: str, response: httpx.Response) -> dict[str, Any]:
-        status = response.status_code
+    def _read(api: str, command: str, status: int, answer: bytes) -> dict[str, Any]:
         if status == 429 or status >= 500:
             raise ImRetryableError(f"{api}: HTTP {status}", command=command, http_status=status)
         if status != 200:
             raise ImPermanentError(f"{api}: HTTP {status}", command=command, http_status=status)
         try:
-            data = response.json()
+            data = json.loads(answer)
         except ValueError as exc:
             raise ImRetryableError(f"{api}: response is not JSON", command=command, http_status=status) from exc
         if not isinstance(data, dict):
