@@ -10,6 +10,7 @@ SaveMutation uses for commands) bound to one ``Database.run_write`` unit.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -53,3 +54,8 @@ class Coalesced(Generic[ItemT, ResultT]):
 
     async def submit(self, item: ItemT) -> ResultT:
         return await self._queue.save(item)
+
+    def submit_nowait(self, item: ItemT) -> asyncio.Future[ResultT]:
+        """Queue ``item`` now, behind every item submitted before it (they commit in that order, in
+        one transaction or in order across several); the future is its result after the commit."""
+        return self._queue.enqueue(item)

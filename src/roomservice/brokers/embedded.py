@@ -80,6 +80,7 @@ from roomservice.brokers.port import (
 from roomservice.clock import wall_clock_ms
 from roomservice.coalesce import Coalesced
 from roomservice.config import EmbeddedBrokerConfig
+from roomservice.futures import relay
 from roomservice.observability.logging import get_logger
 from roomservice.store.database import Database, insert_or_ignore
 from roomservice.store.port import StoreUnavailable
@@ -331,6 +332,33 @@ class EmbeddedBroker:
     # ------------------------------------------------------------------ publish
 
     async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
+        item = self._outgoing(message)
+        message_id, stored = await self._store(self._publishes.submit(item), timeout_s)
+        if stored:
+            self._wake(message.topic)
+        return str(message_id)
+
+    async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:
+        """Pipelined publish (:class:`~roomservice.brokers.port.PipelinedBroker`): ``message`` is
+        queued for the next shared publish transaction before this returns, behind every message
+        queued before it; transactions commit in queue order, one at a time, so a room's rows keep
+        their order while their acknowledgements are outstanding. The future is the message id once
+        its transaction committed, or ``BrokerUnavailable`` as :meth:`publish` fails. A caller that
+        cancels it gives up on knowing: the message may still be stored, and sent again (same key) it
+        is stored once."""
+        item = self._outgoing(message)
+        topic = message.topic
+
+        def stored(outcome: tuple[int, bool]) -> str:
+            message_id, new = outcome
+            if new:
+                self._wake(topic)
+            return str(message_id)
+
+        return relay(self._publishes.submit_nowait(item), stored, _unavailable)
+
+    def _outgoing(self, message: OutgoingMessage) -> tuple[dict[str, Any], int]:
+        """The checked row of ``message`` and when it becomes visible; raises BrokerError."""
         self._check_open()
         _check_name("topic", message.topic)
         _check_name("key", message.key)
@@ -347,11 +375,7 @@ class EmbeddedBroker:
             "deliver_at_ms": message.deliver_at_ms,
             "published_at_ms": now,
         }
-        visible_at = now if message.deliver_at_ms is None else message.deliver_at_ms
-        message_id, stored = await self._store(self._publishes.submit((values, visible_at)), timeout_s)
-        if stored:
-            self._wake(message.topic)
-        return str(message_id)
+        return values, now if message.deliver_at_ms is None else message.deliver_at_ms
 
     async def declare_group(self, topic: str, group: str, *, max_deliveries: int) -> None:
         self._check_open()
@@ -528,7 +552,16 @@ class EmbeddedBroker:
         except TimeoutError as exc:
             raise BrokerUnavailable(f"embedded broker: no answer within {timeout_s:g}s") from exc
         except StoreUnavailable as exc:
-            raise BrokerUnavailable(f"embedded broker: {exc}") from exc
+            raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: BaseException) -> BaseException:
+    """A store failure as the broker port says it; anything else as it is."""
+    if isinstance(exc, StoreUnavailable):
+        unavailable = BrokerUnavailable(f"embedded broker: {exc}")
+        unavailable.__cause__ = exc
+        return unavailable
+    return exc
 
 
 async def open_embedded_broker(

@@ -70,17 +70,24 @@ class GroupCommit(Generic[U, R]):
     async def save(self, unit: U) -> R:
         """Queue ``unit`` and return its result once the transaction that carried it committed;
         raise its failure."""
+        future = self.enqueue(unit)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await future  # a timeout or a cancellation cancels the future: a batch not taken skips it
+        except TimeoutError as exc:
+            raise StoreDeadlineExceeded(f"database call exceeded its {self._timeout_s:g}s deadline") from exc
+
+    def enqueue(self, unit: U) -> asyncio.Future[R]:
+        """Queue ``unit`` now, behind every unit queued before it; the future is its result once the
+        transaction that carried it committed, or its failure. No deadline: the caller bounds its wait,
+        and cancelling the future before its batch is taken leaves the unit out."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._queue.append((unit, future))
         if len(self._drainers) < self._lanes:
             task = loop.create_task(self._drain(), name="store-group-commit")
             self._drainers.add(task)
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await future  # a timeout or a cancellation cancels the future: a batch not taken skips it
-        except TimeoutError as exc:
-            raise StoreDeadlineExceeded(f"database call exceeded its {self._timeout_s:g}s deadline") from exc
+        return future
 
     def _take(self) -> list[tuple[U, asyncio.Future[R]]]:
         """The next batch: up to ``max_batch`` queued mutations whose callers still wait."""

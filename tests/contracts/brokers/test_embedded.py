@@ -20,7 +20,7 @@ from tests.contracts.brokers.base import DurableBrokerContract, message, unique
 from tests.contracts.test_outbox_repository import second_process
 
 from roomservice.brokers.embedded import CRASHED_REASON, EmbeddedBroker, open_embedded_broker
-from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable
+from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable, PipelinedBroker
 from roomservice.config import EmbeddedBrokerConfig
 from roomservice.store.database import Database
 from roomservice.store.tables import broker_delivery, broker_message
@@ -165,6 +165,44 @@ async def test_publishes_sharing_a_transaction_fan_out_once_each_and_a_repeated_
         got = await embedded.fetch(topic, group, max_messages=50, wait_s=0, visibility_s=30)
         assert sorted(d.key for d in got) == sorted(m.key for m in sent)  # once each, to each group
         assert {d.message_id for d in got} == set(ids)
+
+
+async def test_sent_messages_keep_their_order_while_their_acknowledgements_are_outstanding(
+    embedded: EmbeddedBroker,
+) -> None:
+    assert isinstance(embedded, PipelinedBroker)  # so the outbox worker pipelines a room's rows on it
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    sent = [message(topic) for _ in range(30)]
+    acks = [await embedded.send(m) for m in sent]
+    assert all(not ack.done() for ack in acks)  # queued, none committed yet
+    publish = asyncio.create_task(embedded.publish(message(topic, "published after"), timeout_s=5))
+    again = await embedded.send(sent[3])  # a re-send of the same key
+    ids = await asyncio.gather(*acks)
+    assert [int(i) for i in ids] == sorted(int(i) for i in ids) and len(set(ids)) == len(sent)
+    assert await again == ids[3]  # stored once
+    later = await publish
+    assert int(later) > int(ids[-1])  # queued after the sends: stored after them
+    got = await embedded.fetch(topic, group, max_messages=50, wait_s=0, visibility_s=30)
+    assert [d.key for d in got] == [m.key for m in sent] + ["published after"]
+
+
+async def test_a_send_given_up_and_sent_again_is_stored_once(embedded: EmbeddedBroker) -> None:
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    sent = message(topic, "given up")
+    (await embedded.send(sent)).cancel()  # its outcome is unknown: the worker sends the row again later
+    again = await (await embedded.send(sent))
+    got = await embedded.fetch(topic, group, max_messages=10, wait_s=0, visibility_s=30)
+    assert [(d.key, d.message_id) for d in got] == [("given up", again)]
+
+
+async def test_a_sent_message_is_checked_as_a_published_one_is(embedded: EmbeddedBroker) -> None:
+    with pytest.raises(BrokerError):
+        await embedded.send(message("t" * 200, "k"))
+    await embedded.close()
+    with pytest.raises(BrokerUnavailable):
+        await embedded.send(message(unique("topic"), "k"))
 
 
 async def test_a_fetch_right_after_one_that_handed_messages_out_claims_checks_and_then_waits(
@@ -362,6 +400,8 @@ async def test_a_database_that_does_not_answer_is_broker_unavailable() -> None:
     try:
         with pytest.raises(BrokerUnavailable):
             await broker.publish(message("topic"), timeout_s=2)
+        with pytest.raises(BrokerUnavailable):
+            await (await broker.send(message("topic")))
         with pytest.raises(BrokerUnavailable):
             await broker.ping()
         with pytest.raises(BrokerUnavailable):
