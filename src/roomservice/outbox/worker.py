@@ -13,7 +13,8 @@ rows' decisions are taken before the wait; only their write waits).
 
 A room's rows are published in version order, each after the one before it ended —
 except that rows whose one target pipelines (the broker publisher on NATS: messages
-queued on one connection keep their order) are sent one after another without waiting
+queued on one connection keep their order; on the embedded broker: messages queued for
+shared publish transactions that commit in queue order) are sent one after another without waiting
 for each acknowledgement; every row still gets its own outcome, retry or dead letter,
 within its own ``publish_timeout``, exactly as one at a time, and a row of any other
 kind waits for the acknowledgements before it.
