@@ -90,6 +90,24 @@ async def test_malformed_json(client: httpx.AsyncClient, api_runtime: Process) -
     assert await _written(api_runtime) == (0, 0)
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 30_000 + b"]" * 30_000,  # deeper than the JSON parser's stack: was a 500
+        b'{"command_id": "c1", "room_id": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+        b'{"a":' * 10_000 + b"1" + b"}" * 10_000,
+        b'{"command_id": "c1", "title": "\\ud800", "x": ' + b"[" * 990 + b"]" * 990 + b"}",
+    ],
+    ids=["array", "in a field", "objects", "with a surrogate escape"],
+)
+async def test_deeply_nested_json_is_invalid_not_a_500(client: httpx.AsyncClient, api_runtime: Process,
+                                                       body: bytes) -> None:
+    for path in (BASE, f"{BASE}/r1/join"):
+        resp = await client.post(path, content=body, headers={"content-type": "application/json"})
+        _expect(resp, 400, "invalid_argument")
+    assert await _written(api_runtime) == (0, 0)
+
+
 async def test_oversized_body_is_413(client: httpx.AsyncClient, api_runtime: Process) -> None:
     resp = await client.post(BASE, json={**CREATE, "title": "x" * 70_000})
     _expect(resp, 413, "payload_too_large")

@@ -296,6 +296,7 @@ SCRIPT: list[tuple[str, str, list[tuple[bytes, bytes]], dict[str, Any] | bytes]]
     ("POST", f"{BASE}/r1/join", JSON, b'{"command_id": "j6", "user_id": "x", "user_id": "y"}'),
     ("POST", f"{BASE}/r1/join", JSON, b'{"command_id": "j7", "user_id": "\\ud800"}'),
     ("POST", f"{BASE}/r1/join", JSON, b"null"),
+    ("POST", f"{BASE}/r1/join", JSON, b"[" * 30_000 + b"]" * 30_000),
     ("POST", f"{BASE}/r1/join", JSON, b"[]"),
     ("POST", f"{BASE}/r1/join", JSON, b""),
     ("POST", f"{BASE}/r1/join", JSON, b'{"command_id": "j8", "user_id": "' + b"u" * 70_000 + b'"}'),

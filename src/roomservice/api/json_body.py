@@ -78,6 +78,8 @@ def parse(body: bytes) -> Any:
         raise errors.InvalidArgument(message) from None
     except ValueError as exc:  # NaN, Infinity, -Infinity
         raise errors.InvalidArgument(f"the body is not valid JSON: {exc} is not a JSON number") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser's stack
+        raise errors.InvalidArgument(_TOO_DEEP) from None
     if "\\u" in text:  # an escaped lone surrogate decodes to a str no encoder can write back
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
@@ -85,4 +87,9 @@ def parse(body: bytes) -> Any:
             raise errors.InvalidArgument(
                 "the body has a \\u escape that is an unpaired UTF-16 surrogate; strings must be valid Unicode"
             ) from None
+        except RecursionError:
+            raise errors.InvalidArgument(_TOO_DEEP) from None
     return value
+
+
+_TOO_DEEP = "the body nests arrays or objects too deeply to be a request"
