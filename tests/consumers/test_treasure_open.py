@@ -87,3 +87,5 @@ async def test_an_outage_fails_the_delivery_for_a_retry() -> None:
 async def test_a_body_that_is_no_wakeup_fails_as_poison() -> None:
     with pytest.raises(ValueError, match="not a treasure wake-up"):
         await handler(Opener()).handle(delivery(body=b"{}"))
+    with pytest.raises(ValueError, match="not a treasure wake-up"):  # deeper than the JSON parser's stack
+        await handler(Opener()).handle(delivery(body=b"[" * 30_000 + b"]" * 30_000))

@@ -108,6 +108,10 @@ async def test_missing_identifier_or_usersig(http: httpx.AsyncClient) -> None:
 async def test_bad_body_and_unknown_api(http: httpx.AsyncClient) -> None:
     assert (await rest(http, "im_open_login_svc", "account_import", b"{nope"))["ErrorCode"] == 60003
     assert (await rest(http, "im_open_login_svc", "account_import", [1, 2]))["ErrorCode"] == 60003
+    deep = b"[" * 30_000 + b"]" * 30_000  # deeper than the JSON parser's stack: not JSON, not a 500
+    assert (await rest(http, "im_open_login_svc", "account_import", deep))["ErrorCode"] == 60003
+    control = await http.post("/_sandbox/clock", content=deep, headers={"content-type": "application/json"})
+    assert control.status_code == 400 and "too deeply" in control.json()["error"]
     assert (await rest(http, "group_open_http_svc", "no_such_command", {}))["ErrorCode"] == 60009
 
 

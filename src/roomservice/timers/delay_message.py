@@ -44,7 +44,7 @@ class TreasureWakeup:
                 open_at_ms=int(raw["open_at_ms"]),
                 command_id=str(raw["command_id"]),
             )
-        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"not a treasure wake-up: {exc!r}") from exc
         return wakeup
 

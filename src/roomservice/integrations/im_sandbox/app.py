@@ -152,7 +152,10 @@ async def _json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if not raw:
         return {}
-    data = json.loads(raw)
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError("body nests too deeply") from None
     if not isinstance(data, dict):
         raise ValueError("body must be a JSON object")
     return data

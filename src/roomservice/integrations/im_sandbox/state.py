@@ -455,7 +455,7 @@ class SandboxState:
             self._injected(service, command)
             try:
                 request = json.loads(body or b"{}")
-            except (ValueError, UnicodeDecodeError) as exc:
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
                 raise _Fail(60003, f"request body is not JSON: {exc}") from exc
             if not isinstance(request, dict):
                 raise _Fail(60003, "request body must be a JSON object")
