@@ -62,3 +62,17 @@ async def run_concurrently(concurrency: int, jobs: list[object], worker: object)
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     return latencies
+
+
+# The "direct mode with instant publishers": configs/local.yaml (what load_settings() starts from)
+# runs mq on the embedded broker with its consumer groups in the process; this turns all of that off.
+# poll_interval 1s: the commit's wake-up, not the poll, must carry the latency.
+DIRECT_MODE = {
+    "outbox_worker.publish_mode": "direct",
+    "rocketmq.room_outbox.enabled": False,
+    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
+    "rocketmq.treasure_open.enabled": False,
+    "consumers.activity.enabled": False,
+    "consumers.notice.enabled": False,
+    "outbox_worker.poll_interval": "1s",
+}

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from bench.command_path import service_run
-from bench.common import describe, fresh_database, run_concurrently
+from bench.common import DIRECT_MODE, describe, fresh_database, run_concurrently
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
 from roomservice.domain.decider import decide, replay, stamp
@@ -296,15 +296,6 @@ async def bench_backend(backend: str, commands: int, *, with_service: bool) -> N
 
 
 LATENCY_ROOMS = 100
-DIRECT_MODE = {
-    "outbox_worker.publish_mode": "direct",
-    "rocketmq.room_outbox.enabled": False,
-    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
-    "rocketmq.treasure_open.enabled": False,
-    "consumers.activity.enabled": False,
-    "consumers.notice.enabled": False,
-    "outbox_worker.poll_interval": "1s",
-}
 
 
 async def commit_to_delivered(backend: str, *, rate: int, seconds: float) -> None:

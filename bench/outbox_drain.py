@@ -28,7 +28,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench.bare import claim_finish_cycles, open_raw
-from bench.common import fresh_database, percentile
+from bench.common import DIRECT_MODE, fresh_database, percentile
 from roomservice.bootstrap import Process
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
@@ -145,7 +145,7 @@ async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float =
             settings = (
                 load_settings()
                 .with_data_dir(Path(data_dir))
-                .with_overrides({"database.url": url, "outbox_worker.poll_interval": "1s"})
+                .with_overrides({"database.url": url, **DIRECT_MODE})  # not local.yaml's mq topology
             )
             publishers: dict[str, Any] = {"im": InstantPublisher("im"), "activity": InstantPublisher("activity")}
             async with Process.running(settings, publishers=publishers) as rt:
