@@ -13,6 +13,8 @@ from contextlib import asynccontextmanager
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from roomservice.config import DIRECT_TOPOLOGY
+
 MARIADB_SERVER_URL = os.environ.get("ROOMSERVICE_BENCH_MARIADB_URL", "mysql+asyncmy://root@127.0.0.1:3306/test")
 
 
@@ -67,12 +69,4 @@ async def run_concurrently(concurrency: int, jobs: list[object], worker: object)
 # The "direct mode with instant publishers": configs/local.yaml (what load_settings() starts from)
 # runs mq on the embedded broker with its consumer groups in the process; this turns all of that off.
 # poll_interval 1s: the commit's wake-up, not the poll, must carry the latency.
-DIRECT_MODE = {
-    "outbox_worker.publish_mode": "direct",
-    "rocketmq.room_outbox.enabled": False,
-    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
-    "rocketmq.treasure_open.enabled": False,
-    "consumers.activity.enabled": False,
-    "consumers.notice.enabled": False,
-    "outbox_worker.poll_interval": "1s",
-}
+DIRECT_MODE = {**DIRECT_TOPOLOGY, "outbox_worker.poll_interval": "1s"}

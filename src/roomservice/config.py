@@ -765,6 +765,21 @@ class InactiveRule:
         return any(fnmatchcase(key, k) for k in self.keys) and key not in self.exclude
 
 
+# The keys where configs/local.yaml (the embedded default, `serve` with no --config) differs from the
+# code's defaults in topology: it runs mq on the embedded broker with the four consumer groups, the
+# code's defaults are the seed's direct mode with every group off. Overriding these on top of local.yaml
+# gives the code's defaults back (tests/unit/test_config.py checks it); tests and benchmarks use it to
+# run the packaged sample in direct mode.
+DIRECT_TOPOLOGY: dict[str, Any] = {
+    "outbox_worker.publish_mode": "direct",
+    "rocketmq.room_outbox.enabled": False,
+    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
+    "rocketmq.treasure_open.enabled": False,
+    "consumers.activity.enabled": False,
+    "consumers.notice.enabled": False,
+}
+
+
 INACTIVE_RULES: tuple[InactiveRule, ...] = (
     InactiveRule(
         ("broker.*",),

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from roomservice.bootstrap import API, MAINTENANCE, Process
-from roomservice.config import Settings, load_settings
+from roomservice.config import DIRECT_TOPOLOGY, Settings, load_settings
 from roomservice.wallet.fake import FakeWallet
 
 T0 = 1_780_000_000_000  # 2026-05-28T20:26:40Z, far from a UTC midnight
@@ -30,14 +30,7 @@ class Clock:
 
 # direct mode, as the seed's code defaults have it (configs/local.yaml, which make_settings starts from,
 # runs the mq topology with its four consumer groups)
-DIRECT: dict[str, Any] = {
-    "outbox_worker.publish_mode": "direct",
-    "rocketmq.room_outbox.enabled": False,
-    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
-    "rocketmq.treasure_open.enabled": False,
-    "consumers.activity.enabled": False,
-    "consumers.notice.enabled": False,
-}
+DIRECT: dict[str, Any] = dict(DIRECT_TOPOLOGY)
 
 
 def make_settings(database_url: str, data_dir: Path, **overrides: Any) -> Settings:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from roomservice import config
 from roomservice.config import (
+    DIRECT_TOPOLOGY,
     INACTIVE_RULES,
     NOT_YET_AVAILABLE,
     ConfigError,
@@ -221,19 +222,9 @@ def test_local_sample_is_the_embedded_default() -> None:
     assert s.wallet.starting_balance // min(prices.values()) >= 1000
 
 
-LOCAL_TOPOLOGY = {
-    "outbox_worker.publish_mode": "direct",
-    "rocketmq.room_outbox.enabled": False,
-    "rocketmq.room_outbox.tencent_im_consumer_enabled": False,
-    "rocketmq.treasure_open.enabled": False,
-    "consumers.activity.enabled": False,
-    "consumers.notice.enabled": False,
-}
-
-
 def test_local_sample_writes_the_defaults_apart_from_the_gift_catalog_and_the_mq_topology() -> None:
     s = load_settings(PACKAGED / "local.yaml", env={})
-    code_defaults = s.with_overrides(LOCAL_TOPOLOGY)  # the code's defaults stay the seed's: direct, switches off
+    code_defaults = s.with_overrides(DIRECT_TOPOLOGY)  # the code's defaults stay the seed's: direct, switches off
     assert code_defaults.model_copy(update={"gifts": ()}) == Settings()
 
 
