@@ -38,12 +38,14 @@ from typing import Any
 
 import orjson
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from roomservice import errors
 from roomservice.api import json_body
 from roomservice.api import schemas as s
-from roomservice.api.body_limit import DEADLINE_SCOPE_KEY
+from roomservice.api.body_limit import DEADLINE_SCOPE_KEY, ClientGone, read_body
 from roomservice.api.errors import error_response
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
@@ -64,12 +66,9 @@ class FastRoute:
 
 
 def _pattern(routes: Sequence[FastRoute]) -> re.Pattern[str]:
-    create = [r for r in routes if not r.suffix]
-    others = "|".join(re.escape(r.suffix) for r in routes if r.suffix)
-    parts = [rf"/{_ROOM}/(?P<suffix>{others})"] if others else []
-    if create:
-        parts.append("")  # /v1/apps/{app_code}/rooms
-    return re.compile(rf"/v1/apps/{_APP}/rooms(?:{'|'.join(parts)})")
+    """``/v1/apps/{app_code}/rooms`` (CreateRoom) or ``/v1/apps/{app_code}/rooms/{room_id}/<suffix>``."""
+    suffixes = "|".join(re.escape(r.suffix) for r in routes if r.suffix)
+    return re.compile(rf"/v1/apps/{_APP}/rooms(?:/{_ROOM}/(?P<suffix>{suffixes}))?")
 
 
 class CommandFastPath:
@@ -106,7 +105,6 @@ class CommandFastPath:
         app_code = match["app_code"]
         room_id = value.room_id if isinstance(value, s.CreateRoomBody) else match["room_id"]
         scope["route"] = route.route
-        scope["path_params"] = {"app_code": app_code, "room_id": room_id} if route.suffix else {"app_code": app_code}
         try:
             answer = await self.execute(app_code, room_id, value.command_id, value.to_command())
         except errors.RoomServiceError as exc:
@@ -121,39 +119,29 @@ class CommandFastPath:
         await send({"type": "http.response.body", "body": payload})
 
     async def _read(self, scope: Scope, receive: Receive) -> tuple[bytes | None, list[Message]]:
-        """The whole body, or None when it is not plainly there; and every message consumed, to replay."""
+        """The whole body (:func:`.body_limit.read_body`: size and deadline), or None when it is not
+        plainly there; and every message consumed, to replay."""
         consumed: list[Message] = []
-        declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return None, consumed
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.read_timeout_s
-        scope[DEADLINE_SCOPE_KEY] = deadline  # if the app reads it again, it has what is left of this deadline
-        chunks: list[bytes] = []
-        size = 0
+
+        async def recording() -> Message:
+            message = await receive()
+            consumed.append(message)
+            return message
+
+        # if the app reads the body again, it has what is left of this deadline
+        scope[DEADLINE_SCOPE_KEY] = asyncio.get_running_loop().time() + self.read_timeout_s
         try:
-            async with asyncio.timeout_at(deadline):
-                while True:
-                    message = await receive()
-                    consumed.append(message)
-                    if message["type"] != "http.request":
-                        return None, consumed  # the client went away
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.max_bytes:
-                        return None, consumed
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        return b"".join(chunks), consumed
-        except TimeoutError:
+            body = await read_body(Request(scope, recording), max_bytes=self.max_bytes, timeout_s=self.read_timeout_s)
+        except (errors.RoomServiceError, ClientGone):  # too large, late, or nobody left: the app answers
             return None, consumed
+        return body, consumed
 
     @staticmethod
     def _value(scope: Scope, body: bytes | None, route: FastRoute) -> s._Body | None:
         if body is None:
             return None
         try:
-            json_body.check_media_type(_header(scope, b"content-type"))
+            json_body.check_media_type(Headers(scope=scope).get("content-type"))
             parsed = json_body.parse(body)
         except errors.InvalidArgument:
             return None
@@ -167,14 +155,6 @@ class CommandFastPath:
 
 def _valid_path(app_code: str, room_id: str | None) -> bool:
     return lim.valid_app_code(app_code) and (room_id is None or lim.valid_room_id(room_id))
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            decoded: str = value.decode("latin-1")
-            return decoded
-    return None
 
 
 def _replaying(consumed: list[Message], receive: Receive) -> Receive:
