@@ -278,19 +278,17 @@ class RoomService:
             await self.store.save_mutation(mutation)
         except CommandIdTaken:
             # already committed (a retry, or a race with another writer): answer the original
-            logged = await self.store.find_command(app_code, room_id, command_id)
-            if logged is None:
+            replayed = await self._committed_answer(cell, command_id, print_, timing)
+            if replayed is None:
                 raise errors.Retry("command_id race; retry") from None
-            cell.remember(logged)
-            return self._replay(logged, print_, timing)
+            return replayed
         except (InsufficientFunds, DebitKeyConflict) as exc:
             # the debit in the commit was refused, nothing written; a retry of a committed
             # gift (not looked up first) answers as it did then, whatever the balance now
-            logged = await self.store.find_command(app_code, room_id, command_id)
-            if logged is not None:
-                cell.remember(logged)
-                return self._replay(logged, print_, timing)
-            raise _refusal(exc) from exc
+            replayed = await self._committed_answer(cell, command_id, print_, timing)
+            if replayed is None:
+                raise _refusal(exc) from exc
+            return replayed
         except StoreUnavailable as exc:
             # the commit may or may not have happened: never trust this cell's state again
             await self.registry.retire(cell)
@@ -325,6 +323,16 @@ class RoomService:
             return await self.registry.cell(app_code, room_id)
         except LeaseUnavailable as exc:
             raise errors.Retry(str(exc)) from exc
+
+    async def _committed_answer(
+        self, cell: RoomCell, command_id: str, print_: str, timing: CommandTiming
+    ) -> dict[str, Any] | None:
+        """The answer of ``command_id`` as the command log has it (remembered by the cell), or None."""
+        logged = await self.store.find_command(cell.app_code, cell.room_id, command_id)
+        if logged is None:
+            return None
+        cell.remember(logged)
+        return self._replay(logged, print_, timing)
 
     @staticmethod
     def _replay(logged: LoggedCommand, print_: str, timing: CommandTiming) -> dict[str, Any]:

@@ -61,8 +61,9 @@ async def open_room(rt: Process, room: str, *members: str) -> None:
 
 
 async def warm(rt: Process, room: str, user: str) -> None:
-    """A first rose of ``user``, alone: on MariaDB a user's first debit creates the account in a
-    transaction of its own first, which would spread the concurrent gifts after it over time."""
+    """A first rose of ``user``, alone: the account exists before the gifts a test sends together (a
+    refused first debit of an account the transaction may have just created rolls its batch back and
+    is retried alone, which would hide what those tests look at)."""
     await run(rt, room, f"warm-{user}", rose(user))
 
 

@@ -282,13 +282,8 @@ class NatsBroker:
         known = self._subjects[self.stream]
         if subjects[0] not in known or subjects[1] not in known:
             await self._ensure_subjects(self.stream, subjects)
-        try:
+        with _mapped():
             ack = await self._js_pub.publish_async(subject, message.body, headers=headers, stream=self.stream)
-        except Exception as exc:
-            mapped = _port_error(exc)
-            if mapped is exc:
-                raise
-            raise mapped from exc
         return relay(ack, _message_id, self._send_failure)
 
     def _send_failure(self, exc: BaseException) -> BaseException:

@@ -409,8 +409,8 @@ class OutboxWorker:
 
     async def _finish(self, decided: _Finish) -> None:
         """Write a batch's decisions, claiming the next batch in the same transaction;
-        a write that fails is retried (finish alone) next cycle."""
-        self._unfinished = decided
+        a write that fails is retried (finish alone) next cycle. The caller has set
+        ``_unfinished`` to ``decided`` already (before any deferral)."""
         if self._stopping:  # no new claims while stopping
             await self._settle()
             return
