@@ -654,11 +654,25 @@ def _count_commits(db: Database) -> list[int]:
     return commits
 
 
+def _count_meta_updates(db: Database) -> list[str]:
+    """A list that grows by one for every UPDATE of room_meta the engine sends."""
+    updates: list[str] = []
+    sync_engine = db._sync_engine or db.engine.sync_engine
+
+    @sa.event.listens_for(sync_engine, "before_cursor_execute")
+    def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith("UPDATE room_meta"):
+            updates.append(statement)
+
+    return updates
+
+
 async def test_concurrent_mutations_of_many_rooms_share_transactions(database: Database, store: SqlRoomStore) -> None:
     rooms = [RoomDriver(store, room_id=f"many{n}") for n in range(40)]
     for r in rooms:
         await r.create()
     commits = _count_commits(database)
+    updates = _count_meta_updates(database)
     before = store.group_commit_stats()
 
     mutations = [r.mutation(c.JoinRoom(user_id="bob")) for r in rooms]
@@ -670,8 +684,18 @@ async def test_concurrent_mutations_of_many_rooms_share_transactions(database: D
     assert after["mutations"] - before["mutations"] == len(rooms)
     assert 1 <= transactions < len(rooms)
     assert len(commits) == transactions  # COMMITs sent, not just batches counted
+    # the guarded updates: one statement a batch (two for a batch of more than 32 rooms), not one a room
+    assert transactions <= len(updates) <= transactions + len(rooms) // 32
+    assert after["guards_redone"] == before["guards_redone"]
     for r, m in zip(rooms, mutations, strict=True):
-        assert (await meta_row(database, room_id=r.room_id)).version == m.state_after.version  # type: ignore[union-attr]
+        row, state = await meta_row(database, room_id=r.room_id), m.state_after
+        assert state is not None
+        assert (row.version, row.member_count, row.heat, row.updated_at_ms) == (
+            state.version,
+            len(state.members),
+            state.heat,
+            m.now_ms,
+        )
     assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("many%")) == 2 * len(rooms)
 
 
@@ -722,6 +746,44 @@ async def test_in_a_shared_transaction_each_kind_of_failure_fails_alone(
     assert (await meta_row(database, room_id="clashing")).version == 1
     assert (await meta_row(database, room_id="existing")).title == "Friday night"
     assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("fine%")) == 10
+
+
+async def test_a_stale_guard_in_a_shared_update_fails_alone_and_the_batch_commits(
+    database: Database, store: SqlRoomStore
+) -> None:
+    """One stale version and one fenced epoch in the batch's one UPDATE: it matches fewer rows than
+    rooms, so the batch is redone with an UPDATE a room (not one transaction a mutation), and only
+    the two stale ones fail."""
+    good = [RoomDriver(store, room_id=f"held{n}") for n in range(6)]
+    stale_version, fenced = RoomDriver(store, room_id="behind"), RoomDriver(store, room_id="fenced-off")
+    for r in (*good, stale_version, fenced):
+        await r.create()
+    await stale_version.run(c.JoinRoom(user_id="moved"))
+    stale_version.state = replace(stale_version.state, version=1)  # type: ignore[type-var]  # a version behind
+    await store.take_lease_epoch(APP, "fenced-off")
+    updates = _count_meta_updates(database)
+    before = store.group_commit_stats()
+
+    mutations = [
+        *(r.mutation(c.JoinRoom(user_id="bob")) for r in good),
+        stale_version.mutation(c.JoinRoom(user_id="late")),
+        fenced.mutation(c.JoinRoom(user_id="bob")),
+    ]
+    results = await asyncio.gather(*(store.save_mutation(m) for m in mutations), return_exceptions=True)
+
+    assert results[:6] == [None] * 6
+    assert [type(r) for r in results[6:]] == [StoreConflict, StoreConflict]
+    after = store.group_commit_stats()
+    assert after["transactions"] - before["transactions"] == 1  # one batch
+    assert after["guards_redone"] - before["guards_redone"] == 1
+    assert after["retried_alone"] == before["retried_alone"]
+    assert len(updates) == 1 + len(mutations)  # the shared UPDATE, then one a room
+    for r in good:
+        assert (await meta_row(database, room_id=r.room_id)).version == 2
+    assert (await meta_row(database, room_id="behind")).version == 2  # "moved", not "late"
+    assert (await meta_row(database, room_id="fenced-off")).version == 1
+    assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("held%")) == 12
+    assert await count(database, t.room_outbox, t.room_outbox.c.room_id.in_(["behind", "fenced-off"])) == 3
 
 
 async def test_callers_are_answered_only_after_the_shared_commit_and_all_fail_with_it(
