@@ -4,12 +4,22 @@ JSON lines are encoded by orjson and written as bytes (every command logs one
 ``room_command_timing`` line; the stdlib encoder was the larger part of its
 cost, docs/benchmarks.md). Values orjson cannot encode are written as their
 ``repr``, as structlog's own renderer does.
+
+:func:`write_info_line` writes one such line without structlog's call chain
+(the command path's timing line, issue 12): the same keys in the same order,
+the same bytes but the timestamp, written and flushed under the same lock.
+It writes only while structlog is still configured as :func:`configure_logging`
+left it; otherwise (console output, ``capture_logs()`` in a test, another
+configuration) it writes nothing and the caller logs through structlog.
 """
 
 from __future__ import annotations
 
+import contextvars
+import datetime
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
 import orjson
@@ -28,7 +38,61 @@ def _orjson_dumps(event: Any, **_: Any) -> bytes:
 _streams: list[Any] = []  # the text streams whose byte buffers are logged to: closed if collected
 
 
+@dataclass(frozen=True, slots=True)
+class _JsonLines:
+    """What :func:`configure_logging` installed for JSON lines on a byte stream, to tell it is still in place."""
+
+    processors: list[Any]  # structlog keeps this list (capture_logs() edits it in place)
+    renderer: Any
+    factory: Any
+    wrapper: Any
+    logger: structlog.BytesLogger  # shares the stream's lock with every structlog logger on it
+    info: bool  # the configured level lets info lines through
+
+    def in_place(self) -> bool:
+        config = structlog.get_config()
+        processors = config["processors"]
+        return (
+            processors is self.processors
+            and len(processors) == _CHAIN_LENGTH
+            and processors[-1] is self.renderer
+            and config["logger_factory"] is self.factory
+            and config["wrapper_class"] is self.wrapper
+        )
+
+
+_CHAIN_LENGTH = 5  # merge_contextvars, add_log_level, TimeStamper, format_exc_info, the renderer
+_json_lines: _JsonLines | None = None
+_CONTEXT_PREFIX = "structlog_"  # structlog.contextvars' prefix of the context variables it binds
+_UTC = datetime.UTC
+
+
+def write_info_line(event: str, fields: dict[str, Any]) -> bool:
+    """Write ``fields`` as the info line ``event``, exactly as ``logger.info(event, **fields)`` would;
+    False (nothing written) when logging is not the JSON byte stream :func:`configure_logging` set up.
+
+    ``fields`` is taken over (the line's keys are added to it). The steps are structlog's, in order:
+    the event after the fields, bound context variables not already among them, the level, the
+    ISO UTC timestamp; encoded by the renderer's serializer; one write and a flush under the lock.
+    """
+    lines = _json_lines
+    if lines is None or not lines.in_place():
+        return False
+    if not lines.info:
+        return True  # filtered out, as the bound logger's info() would
+    fields["event"] = event
+    context = contextvars.copy_context()
+    for var in context:
+        if var.name.startswith(_CONTEXT_PREFIX) and context[var] is not Ellipsis:
+            fields.setdefault(var.name[len(_CONTEXT_PREFIX) :], context[var])
+    fields["level"] = "info"
+    fields["timestamp"] = datetime.datetime.now(tz=_UTC).isoformat().replace("+00:00", "Z")
+    lines.logger.msg(_orjson_dumps(fields))
+    return True
+
+
 def configure_logging(*, level: str = "info", json: bool = True, file: TextIO | None = None) -> None:
+    global _json_lines
     processors: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -45,12 +109,14 @@ def configure_logging(*, level: str = "info", json: bool = True, file: TextIO | 
     else:  # console output, or a text stream without a byte buffer under it
         renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
         factory = structlog.PrintLoggerFactory(file=stream)
-    structlog.configure(
-        processors=[*processors, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=factory,
-        cache_logger_on_first_use=True,
-    )
+    chain = [*processors, renderer]
+    number = logging.getLevelNamesMapping()[level.upper()]
+    wrapper = structlog.make_filtering_bound_logger(number)
+    structlog.configure(processors=chain, wrapper_class=wrapper, logger_factory=factory, cache_logger_on_first_use=True)
+    _json_lines = None
+    if binary is not None:
+        assert len(chain) == _CHAIN_LENGTH
+        _json_lines = _JsonLines(chain, renderer, factory, wrapper, factory(), number <= logging.INFO)
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from roomservice.observability.logging import get_logger
+from roomservice.observability.logging import get_logger, write_info_line
 from roomservice.observability.metrics import observe_command, observe_stages
 
 _log = get_logger("roomservice.command")
@@ -43,28 +43,31 @@ class CommandTiming:
     replayed: bool = False
 
     def emit(self) -> None:
-        # written out, not a loop over fields(): this runs once per command (issue 12)
-        _log.info(
-            "room_command_timing",
-            command=self.command,
-            app_code=self.app_code,
-            room_id=self.room_id,
-            command_id=self.command_id,
-            result=self.result,
-            version=self.version,
-            total_ms=round(self.total_ms, 3),
-            idempotency_ms=round(self.idempotency_ms, 3),
-            lease_ms=round(self.lease_ms, 3),
-            wallet_debit_ms=round(self.wallet_debit_ms, 3),
-            save_mutation_ms=round(self.save_mutation_ms, 3),
-            snapshot_ms=round(self.snapshot_ms, 3),
-            projection_ms=round(self.projection_ms, 3),
-            activity_ms=round(self.activity_ms, 3),
-            tencent_im_ms=round(self.tencent_im_ms, 3),
-            activity_async_outbox=self.activity_async_outbox,
-            tencent_im_async_outbox=self.tencent_im_async_outbox,
-            replayed=self.replayed,
-        )
+        # written out, not a loop over fields(): this runs once per command (issue 12); the line is
+        # written directly when logging is the configured JSON stream (structlog's chain was ~40 %
+        # of a command's log line and metrics), through structlog otherwise (console, capture_logs)
+        fields = {
+            "command": self.command,
+            "app_code": self.app_code,
+            "room_id": self.room_id,
+            "command_id": self.command_id,
+            "result": self.result,
+            "version": self.version,
+            "total_ms": _ms(self.total_ms),
+            "idempotency_ms": _ms(self.idempotency_ms),
+            "lease_ms": _ms(self.lease_ms),
+            "wallet_debit_ms": _ms(self.wallet_debit_ms),
+            "save_mutation_ms": _ms(self.save_mutation_ms),
+            "snapshot_ms": _ms(self.snapshot_ms),
+            "projection_ms": _ms(self.projection_ms),
+            "activity_ms": _ms(self.activity_ms),
+            "tencent_im_ms": _ms(self.tencent_im_ms),
+            "activity_async_outbox": self.activity_async_outbox,
+            "tencent_im_async_outbox": self.tencent_im_async_outbox,
+            "replayed": self.replayed,
+        }
+        if not write_info_line("room_command_timing", fields):
+            _log.info("room_command_timing", **fields)
         observe_command(self.command, self.result, self.total_ms / 1000.0)
         observe_stages(
             self.command,
@@ -80,6 +83,9 @@ class CommandTiming:
         )
 
 
+def _ms(value: float) -> float:
+    """``round(value, 3)``; a stage that did not run (0.0, most of them) skips the rounding's cost."""
+    return round(value, 3) if value else value
 
 
 class Stopwatch:
