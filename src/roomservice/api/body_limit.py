@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Final
 
-from starlette.requests import ClientDisconnect, Request
-from starlette.types import Message
+from starlette.requests import Request
+from starlette.types import Message, Receive
 
 from roomservice import errors
 
@@ -40,26 +40,56 @@ async def read_body(request: Request, *, max_bytes: int, timeout_s: float) -> by
     The deadline is ``timeout_s`` from now, or the one in the scope (``DEADLINE_SCOPE_KEY``) when a reader
     before this one (:mod:`.fast_path`) started the clock and handed the request on.
     """
-    declared = request.headers.get("content-length")
+    deadline = request.scope.get(DEADLINE_SCOPE_KEY)
+    if deadline is None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+    return await receive_body(
+        request.receive,
+        declared=request.headers.get("content-length"),
+        max_bytes=max_bytes,
+        deadline=deadline,
+        timeout_s=timeout_s,
+    )
+
+
+async def receive_body(
+    receive: Receive,
+    *,
+    declared: str | None,
+    max_bytes: int,
+    deadline: float,
+    timeout_s: float,
+    consumed: list[Message] | None = None,
+) -> bytes:
+    """The whole body from ``receive`` by loop time ``deadline``; raises as :func:`read_body`.
+
+    ``declared`` is the Content-Length header; every message received is appended to ``consumed``
+    when given (a reader that may hand the request on replays them).
+    """
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise errors.PayloadTooLarge(f"request body over {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
     try:
-        deadline = request.scope.get(DEADLINE_SCOPE_KEY)
-        if deadline is None:
-            deadline = asyncio.get_running_loop().time() + timeout_s
         async with asyncio.timeout_at(deadline):
-            async for chunk in request.stream():
+            while True:
+                message = await receive()
+                if consumed is not None:
+                    consumed.append(message)
+                if message["type"] == "http.disconnect":
+                    raise ClientGone()
+                if message["type"] != "http.request":
+                    continue
+                chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > max_bytes:
                     raise errors.PayloadTooLarge(f"request body over {max_bytes} bytes")
                 chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
     except TimeoutError:
         raise BodyReadTimeout(f"request body not received within {timeout_s:g}s") from None
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 _UNPARSED: Final = object()

@@ -38,14 +38,12 @@ from typing import Any
 
 import orjson
 from pydantic import ValidationError
-from starlette.datastructures import Headers
-from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from roomservice import errors
 from roomservice.api import json_body
 from roomservice.api import schemas as s
-from roomservice.api.body_limit import DEADLINE_SCOPE_KEY, ClientGone, read_body
+from roomservice.api.body_limit import DEADLINE_SCOPE_KEY, ClientGone, receive_body
 from roomservice.api.errors import error_response
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
@@ -97,8 +95,16 @@ class CommandFastPath:
         if match is None or route is None or not _valid_path(match["app_code"], match["room_id"]):
             await self.app(scope, receive, send)
             return
-        body, consumed = await self._read(scope, receive)
-        value = self._value(scope, body, route)
+        content_length = content_type = None
+        for name, raw in scope["headers"]:  # the first of each, as Starlette's Headers.get
+            if name == b"content-length":
+                if content_length is None:
+                    content_length = raw.decode("latin-1")
+            elif name == b"content-type" and content_type is None:
+                content_type = raw.decode("latin-1")
+        consumed: list[Message] = []
+        body = await self._read(scope, receive, content_length, consumed)
+        value = self._value(body, content_type, route)
         if value is None:  # anything unusual: the app answers it, from the same bytes and deadline
             await self.app(scope, _replaying(consumed, receive), send)
             return
@@ -118,30 +124,31 @@ class CommandFastPath:
         })
         await send({"type": "http.response.body", "body": payload})
 
-    async def _read(self, scope: Scope, receive: Receive) -> tuple[bytes | None, list[Message]]:
-        """The whole body (:func:`.body_limit.read_body`: size and deadline), or None when it is not
-        plainly there; and every message consumed, to replay."""
-        consumed: list[Message] = []
-
-        async def recording() -> Message:
-            message = await receive()
-            consumed.append(message)
-            return message
-
+    async def _read(
+        self, scope: Scope, receive: Receive, content_length: str | None, consumed: list[Message]
+    ) -> bytes | None:
+        """The whole body (:func:`.body_limit.receive_body`: size and deadline), or None when it is not
+        plainly there; every message received is appended to ``consumed``, to replay."""
         # if the app reads the body again, it has what is left of this deadline
-        scope[DEADLINE_SCOPE_KEY] = asyncio.get_running_loop().time() + self.read_timeout_s
+        deadline = scope[DEADLINE_SCOPE_KEY] = asyncio.get_running_loop().time() + self.read_timeout_s
         try:
-            body = await read_body(Request(scope, recording), max_bytes=self.max_bytes, timeout_s=self.read_timeout_s)
+            return await receive_body(
+                receive,
+                declared=content_length,
+                max_bytes=self.max_bytes,
+                deadline=deadline,
+                timeout_s=self.read_timeout_s,
+                consumed=consumed,
+            )
         except (errors.RoomServiceError, ClientGone):  # too large, late, or nobody left: the app answers
-            return None, consumed
-        return body, consumed
+            return None
 
     @staticmethod
-    def _value(scope: Scope, body: bytes | None, route: FastRoute) -> s._Body | None:
+    def _value(body: bytes | None, content_type: str | None, route: FastRoute) -> s._Body | None:
         if body is None:
             return None
         try:
-            json_body.check_media_type(Headers(scope=scope).get("content-type"))
+            json_body.check_media_type(content_type)
             parsed = json_body.parse(body)
         except errors.InvalidArgument:
             return None

@@ -4,12 +4,21 @@ FastAPI alone takes any ``*/*+json`` media type, guesses UTF-16 and UTF-32
 from the bytes and lets the last of two equal keys win; what one reader of a
 body sees must be what every reader sees, so those are ``400
 invalid_argument``, each with a message that says what is wrong and where.
+
+A command body is a flat object without escapes; that common case is parsed
+by orjson (~10x cheaper than the stdlib with a duplicate-key hook, issue 12)
+and its keys counted in the text to refuse a duplicate. Anything else, and
+anything orjson refuses, goes to the stdlib parser, which decides and words
+the error: both give the same value or the same error for every body.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NoReturn
+
+import orjson
 
 from roomservice import errors
 
@@ -58,8 +67,40 @@ def _constant(name: str) -> NoReturn:
     raise ValueError(name)
 
 
+_STRING = re.compile(rb'"[^"]*"(\s*:)?')  # a string without escapes, and the colon that makes it a key
+_BOM = b"\xef\xbb\xbf"
+# no float: orjson reads an integer beyond 64 bits as one, the stdlib as an int (and no command takes one)
+_SCALARS = (str, int, bool, type(None))
+
+
 def parse(body: bytes) -> Any:
     """The JSON value of ``body``; raises InvalidArgument saying what is wrong and where."""
+    if b"\\" not in body and not body.startswith(_BOM):
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # the stdlib parser says what is wrong and where
+        else:
+            if _flat_without_duplicates(body, value):
+                return value
+    return _parse_stdlib(body)
+
+
+def _flat_without_duplicates(body: bytes, value: Any) -> bool:
+    """Is ``value`` an object of strings, integers, booleans and nulls with as many keys as ``body``
+    (no backslash in it) spells?
+
+    Without escapes every string is ``"[^"]*"``, matched left to right from the first quote, and a
+    string is a key exactly when a colon follows it; orjson keeps one of two equal keys, so a
+    duplicate shows as fewer keys than the text has.
+    """
+    if not isinstance(value, dict) or not all(isinstance(v, _SCALARS) for v in value.values()):
+        return False
+    keys = sum(1 for match in _STRING.finditer(body) if match.group(1))
+    return keys == len(value)
+
+
+def _parse_stdlib(body: bytes) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
