@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -40,7 +40,7 @@ from roomservice.domain.view import room_view
 from roomservice.leases.port import LeaseUnavailable
 from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
-from roomservice.observability.timing import CommandTiming, Stopwatch
+from roomservice.observability.timing import CommandTiming, Stopwatch, rounded_ms
 from roomservice.projections.port import Projections
 from roomservice.store.port import (
     AttachedWrite,
@@ -64,8 +64,15 @@ from roomservice.wallet.port import (
 _log = get_logger("roomservice.service")
 
 
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # the version nibble and the variant's two bits
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
+
+
 def new_event_id() -> str:
-    return uuid.uuid4().hex
+    """A random UUID4 in hex: ``uuid.uuid4().hex`` (the same 122 random bits from ``os.urandom``)
+    without building a UUID object, a third of its cost; one or more per command (issue 12)."""
+    bits = int.from_bytes(os.urandom(16), "big")
+    return f"{(bits & _UUID4_CLEAR) | _UUID4_SET:032x}"
 
 
 def fingerprint(command: c.Command, fields: dict[str, Any] | None = None) -> str:
@@ -90,10 +97,10 @@ def stored_timing(timing: CommandTiming) -> dict[str, float | bool]:
     """The ``room_command_timing`` figures known when the command log row is written, stored with it
     (the console's room inspector); the stages after the commit are in the log line only."""
     return {
-        "idempotency_ms": round(timing.idempotency_ms, 3),
-        "lease_ms": round(timing.lease_ms, 3),
-        "wallet_debit_ms": round(timing.wallet_debit_ms, 3),
-        "activity_ms": round(timing.activity_ms, 3),
+        "idempotency_ms": rounded_ms(timing.idempotency_ms),
+        "lease_ms": rounded_ms(timing.lease_ms),
+        "wallet_debit_ms": rounded_ms(timing.wallet_debit_ms),
+        "activity_ms": rounded_ms(timing.activity_ms),
         "activity_async_outbox": timing.activity_async_outbox,
         "tencent_im_async_outbox": timing.tencent_im_async_outbox,
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -79,7 +79,16 @@ class RoomState:
         return "owner" if user_id == self.owner_id else "member"
 
     def with_(self, **changes: Any) -> RoomState:
-        return replace(self, **changes)
+        """This state with ``changes``: ``dataclasses.replace`` without its per-call field walk
+        (every event copies the state once; replace was ~5 us of it, issue 12)."""
+        if not changes.keys() <= _STATE_FIELDS:
+            raise TypeError(f"RoomState has no field {sorted(changes.keys() - _STATE_FIELDS)[0]!r}")
+        copy = object.__new__(RoomState)
+        for name in _STATE_FIELD_ORDER:
+            object.__setattr__(copy, name, getattr(self, name))
+        for name, value in changes.items():
+            object.__setattr__(copy, name, value)
+        return copy
 
     def to_dict(self) -> dict[str, Any]:
         box = self.treasure.box
@@ -130,3 +139,7 @@ class RoomState:
                 box=None if box is None else PendingBox(**box),
             ),
         )
+
+
+_STATE_FIELD_ORDER = tuple(f.name for f in fields(RoomState))
+_STATE_FIELDS = frozenset(_STATE_FIELD_ORDER)

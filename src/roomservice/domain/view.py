@@ -21,6 +21,7 @@ def room_view(state: RoomState, *, now_ms: int, level_count: int) -> dict[str, A
         treasure_state = COMPLETED
     else:
         treasure_state = IDLE
+    owner_id = state.owner_id  # RoomState.role_of, inline: it runs once per member of every answer
     return {
         "app_code": state.app_code,
         "room_id": state.room_id,
@@ -29,7 +30,7 @@ def room_view(state: RoomState, *, now_ms: int, level_count: int) -> dict[str, A
         "title": state.title,
         "status": state.status,
         "members": [
-            {"user_id": user_id, "role": state.role_of(user_id), "joined_at_ms": joined_at}
+            {"user_id": user_id, "role": "owner" if user_id == owner_id else "member", "joined_at_ms": joined_at}
             for user_id, joined_at in state.members.items()
         ],
         "seats": [{"index": i, "user_id": holder} for i, holder in enumerate(state.seats)],

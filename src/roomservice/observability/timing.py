@@ -53,15 +53,15 @@ class CommandTiming:
             "command_id": self.command_id,
             "result": self.result,
             "version": self.version,
-            "total_ms": _ms(self.total_ms),
-            "idempotency_ms": _ms(self.idempotency_ms),
-            "lease_ms": _ms(self.lease_ms),
-            "wallet_debit_ms": _ms(self.wallet_debit_ms),
-            "save_mutation_ms": _ms(self.save_mutation_ms),
-            "snapshot_ms": _ms(self.snapshot_ms),
-            "projection_ms": _ms(self.projection_ms),
-            "activity_ms": _ms(self.activity_ms),
-            "tencent_im_ms": _ms(self.tencent_im_ms),
+            "total_ms": rounded_ms(self.total_ms),
+            "idempotency_ms": rounded_ms(self.idempotency_ms),
+            "lease_ms": rounded_ms(self.lease_ms),
+            "wallet_debit_ms": rounded_ms(self.wallet_debit_ms),
+            "save_mutation_ms": rounded_ms(self.save_mutation_ms),
+            "snapshot_ms": rounded_ms(self.snapshot_ms),
+            "projection_ms": rounded_ms(self.projection_ms),
+            "activity_ms": rounded_ms(self.activity_ms),
+            "tencent_im_ms": rounded_ms(self.tencent_im_ms),
             "activity_async_outbox": self.activity_async_outbox,
             "tencent_im_async_outbox": self.tencent_im_async_outbox,
             "replayed": self.replayed,
@@ -83,7 +83,7 @@ class CommandTiming:
         )
 
 
-def _ms(value: float) -> float:
+def rounded_ms(value: float) -> float:
     """``round(value, 3)``; a stage that did not run (0.0, most of them) skips the rounding's cost."""
     return round(value, 3) if value else value
 
