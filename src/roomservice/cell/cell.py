@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 from roomservice.domain.state import RoomState
 from roomservice.leases.port import Lease
@@ -35,12 +34,9 @@ class RoomCell:
         self._lock = asyncio.Lock()
         self._recent: OrderedDict[str, LoggedCommand] = OrderedDict()
 
-    @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Hold the room for one command; FIFO among waiters."""
-        async with self._lock:
-            self.last_used = time.monotonic()
-            yield
+    def turn(self) -> _Turn:
+        """Hold the room for one command (``async with cell.turn():``); FIFO among waiters."""
+        return _Turn(self)
 
     @property
     def busy(self) -> bool:
@@ -58,3 +54,25 @@ class RoomCell:
         """Apply a committed command's outcome."""
         self.state = state
         self.remember(logged)
+
+
+class _Turn:
+    """One command's hold on a cell: its lock, taken on entry and released on exit.
+
+    A class, not an ``asynccontextmanager``: every command takes one, and the generator machinery
+    (a generator, its wrapper, two ``anext`` round trips) cost more than the lock itself (issue 12).
+    """
+
+    __slots__ = ("_cell",)
+
+    def __init__(self, cell: RoomCell) -> None:
+        self._cell = cell
+
+    async def __aenter__(self) -> None:
+        await self._cell._lock.acquire()
+        self._cell.last_used = time.monotonic()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._cell._lock.release()
