@@ -216,3 +216,23 @@ def own_server(tmp_path: Path) -> Iterator[OwnNatsServer]:
     server.start()
     yield server
     server.kill()
+
+
+class Calls:
+    """How often a wrapped coroutine function was called (:func:`count_calls`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, target: object, name: str) -> Calls:
+    """Count the calls of the coroutine method ``target.name`` (e.g. a Database's run_write) from now on."""
+    original = getattr(target, name)
+    calls = Calls()
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.count += 1
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, counted)
+    return calls

@@ -5,7 +5,10 @@ message, per acknowledged delivery, per consumed event) queue on it one after
 the other, each with its own thread hop and commit. A :class:`Coalesced` unit
 writes whatever queued meanwhile in one transaction instead. The queue is the
 store's group commit (:class:`~roomservice.store.group_commit.GroupCommit`, which
-SaveMutation uses for commands) bound to one ``Database.run_write`` unit.
+SaveMutation uses for commands) bound to one ``Database.run_write`` unit — or,
+with ``read=True``, to one ``Database.run_read`` unit: small reads that arrive
+together (a consumer's dedup look-ups for the deliveries of one fetch) share one
+thread hop and one connection checkout.
 """
 
 from __future__ import annotations
@@ -44,9 +47,14 @@ class Coalesced(Generic[ItemT, ResultT]):
         unit: Callable[[Connection, list[ItemT]], Sequence[ResultT | Failed]],
         *,
         max_batch: int = 256,
+        read: bool = False,
     ) -> None:
+        """``read``: ``unit`` only reads, on a read connection (``run_read``), and a caller hears
+        its result as soon as the read is done."""
+        run = db.run_read if read else db.run_write
+
         async def commit_batch(items: list[ItemT]) -> Sequence[ResultT | Failed]:
-            return await db.run_write(unit, items)
+            return await run(unit, items)
 
         self._queue: GroupCommit[ItemT, ResultT] = GroupCommit(
             commit_batch, lanes=1, max_batch=max_batch, timeout_s=None

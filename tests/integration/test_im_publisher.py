@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
+from tests.conftest import count_calls
 
 from roomservice.domain import events as e
 from roomservice.integrations.im_sandbox import RunningSandbox, running_sandbox
@@ -670,3 +671,19 @@ async def test_a_group_id_taken_by_someone_else_meanwhile_stays_permanent(
     await client.create_group(group_of(), "mallory", "Not yours", AV)
     with pytest.raises(PermanentError, match="10021"):
         await publish(publisher, joined())
+
+
+async def test_sent_record_lookups_that_arrive_together_share_one_read(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads = count_calls(monkeypatch, database, "run_read")
+    steps = SentSteps(database, clock=now_ms)  # the IM bridge's deliveries of one fetch look up together
+    first, second, never = (uuid.uuid4().hex for _ in range(3))
+    for event_id, step in ((first, MEMBER), (first, MESSAGE), (second, GROUP)):
+        await steps.record(event_id, "g", step)
+    before = reads.count
+    done = await asyncio.gather(*(steps.done(event_id) for event_id in (first, second, never, first)))
+    assert done == [{MEMBER, MESSAGE}, {GROUP}, set(), {MEMBER, MESSAGE}]
+    assert reads.count == before + 1
+    done[0].add(DESTROY)  # each caller gets a set of its own
+    assert done[3] == {MEMBER, MESSAGE}

@@ -100,6 +100,19 @@ async def test_signature_and_identity_checks(http: httpx.AsyncClient, kwargs: di
     assert data["ErrorCode"] == code and data["ActionStatus"] == "FAIL" and data["ErrorInfo"]
 
 
+async def test_a_usersig_accepted_before_is_still_checked_for_expiry_and_key(
+    http: httpx.AsyncClient, sandbox: RunningSandbox
+) -> None:
+    sig = sig_for(ttl=60)
+    for _ in range(2):  # the second call meets the check the first one kept
+        assert (await rest(http, "im_open_login_svc", "account_import", {"UserID": "a"}, usersig=sig))["ErrorCode"] == 0
+    sandbox.state.clock_offset = 120  # the sandbox's clock is past the sig's expiry now
+    assert (await rest(http, "im_open_login_svc", "account_import", {"UserID": "a"}, usersig=sig))["ErrorCode"] == 70001
+    sandbox.state.clock_offset = 0
+    sandbox.state.secret_key = "rotated"  # the kept check was for the old key
+    assert (await rest(http, "im_open_login_svc", "account_import", {"UserID": "a"}, usersig=sig))["ErrorCode"] == 70009
+
+
 async def test_missing_identifier_or_usersig(http: httpx.AsyncClient) -> None:
     response = await http.post("/v4/im_open_login_svc/account_import", params={"sdkappid": str(APP)}, json={})
     assert response.json()["ErrorCode"] == 60004

@@ -50,6 +50,7 @@ import asyncio
 import json
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from sqlalchemy import (
@@ -78,7 +79,7 @@ from roomservice.brokers.port import (
     OutgoingMessage,
 )
 from roomservice.clock import wall_clock_ms
-from roomservice.coalesce import Coalesced
+from roomservice.coalesce import Coalesced, Failed
 from roomservice.config import EmbeddedBrokerConfig
 from roomservice.futures import relay
 from roomservice.observability.logging import get_logger
@@ -324,16 +325,21 @@ class EmbeddedBroker:
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}  # fetches waiting, per topic
         self._busy_groups: set[str] = set()  # groups whose last claim in this process handed messages out
         self._closed = False
-        # publishes and acks that arrive while the previous one is being written share the next
-        # transaction (SQLite has one writer; one transaction per message made them queue)
-        self._publishes: Coalesced[tuple[dict[str, Any], int], tuple[int, bool]] = Coalesced(db, _publish_all)
-        self._acks: Coalesced[dict[str, Any], None] = Coalesced(db, _ack_all)
+        # Publishes, acks and claims that arrive while the previous write is being written share the
+        # next transaction. On SQLite (one writer) all three go through one queue: every separate
+        # transaction costs a thread hop and a turn of the writer lock, and the groups a publish wakes
+        # claim together, in the transaction after it, with the acks and publishes queued meanwhile.
+        # On MySQL/MariaDB transactions do not wait for each other: publishes and acks have a queue
+        # each and every claim its own transaction, as concurrent fetchers skip each other's rows.
+        self._publishes: Coalesced[_Write, Any] = Coalesced(db, _write_all)
+        self._acks = self._publishes if db.is_sqlite else Coalesced(db, _write_all)
+        self._claims = self._publishes if db.is_sqlite else None
 
     # ------------------------------------------------------------------ publish
 
     async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
         item = self._outgoing(message)
-        message_id, stored = await self._store(self._publishes.submit(item), timeout_s)
+        message_id, stored = await self._store(self._publishes.submit(_Publish(*item)), timeout_s)
         if stored:
             self._wake(message.topic)
         return str(message_id)
@@ -355,7 +361,7 @@ class EmbeddedBroker:
                 self._wake(topic)
             return str(message_id)
 
-        return relay(self._publishes.submit_nowait(item), stored, _unavailable)
+        return relay(self._publishes.submit_nowait(_Publish(*item)), stored, _unavailable)
 
     def _outgoing(self, message: OutgoingMessage) -> tuple[dict[str, Any], int]:
         """The checked row of ``message`` and when it becomes visible; raises BrokerError."""
@@ -399,7 +405,6 @@ class EmbeddedBroker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, wait_s)
         visibility_ms = max(1, round(visibility_s * 1000))
-        claim = _claim_sqlite if self.db.is_sqlite else _claim_mysql
         while True:
             # Registered before looking: a publish meanwhile still wakes us.
             waiter = loop.create_future()
@@ -420,7 +425,7 @@ class EmbeddedBroker:
                         "b_receipt": secrets.token_hex(RECEIPT_BYTES),
                         "b_limit": max_messages,
                     }
-                    got, buried = await self._store(self.db.run_write(claim, topic, params))
+                    got, buried = await self._store(self._claim(topic, params))
                     if got:
                         self._busy_groups.add(group)
                         return got
@@ -440,8 +445,15 @@ class EmbeddedBroker:
             finally:
                 waiters.discard(waiter)
 
+    async def _claim(self, topic: str, params: dict[str, Any]) -> tuple[list[Delivery], int]:
+        """Claim up to ``b_limit`` of the group's visible rows: (handed out, buried)."""
+        if self._claims is not None:
+            result: tuple[list[Delivery], int] = await self._claims.submit(_Claim(topic, params))
+            return result
+        return await self.db.run_write(_claim_mysql, topic, params)
+
     async def ack(self, delivery: Delivery) -> None:
-        await self._store(self._acks.submit(_receipt_params(delivery)))
+        await self._store(self._acks.submit(_Ack(_receipt_params(delivery))))
 
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         now = self._clock()
@@ -594,6 +606,56 @@ def _receipt_params(delivery: Delivery) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- transaction units
 # Plain synchronous functions of a Connection, run by Database.run_write / run_read.
+
+
+@dataclass(frozen=True, slots=True)
+class _Publish:
+    """A message to store: its row, and when its deliveries become visible."""
+
+    values: dict[str, Any]
+    visible_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Ack:
+    receipt: dict[str, Any]  # b_group, b_id, b_receipt
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    topic: str
+    params: dict[str, Any]  # b_group, b_now, b_until, b_receipt, b_limit
+
+
+_Write = _Publish | _Ack | _Claim
+
+
+def _write_all(conn: Connection, writes: list[_Write]) -> list[Any]:
+    """A shared transaction's writes, in queue order: each run of publishes (or acks) together,
+    each claim on its own after everything queued before it (it sees those messages and acks).
+    A claim refused by its checks (an unknown group: nothing written yet) fails alone."""
+    results: list[Any] = []
+    start = 0
+    while start < len(writes):
+        kind = type(writes[start])
+        end = start + 1
+        if kind is not _Claim:
+            while end < len(writes) and type(writes[end]) is kind:
+                end += 1
+        run = writes[start:end]
+        if kind is _Publish:
+            results.extend(_publish_all(conn, [(w.values, w.visible_at_ms) for w in run if isinstance(w, _Publish)]))
+        elif kind is _Ack:
+            results.extend(_ack_all(conn, [w.receipt for w in run if isinstance(w, _Ack)]))
+        else:
+            claim = run[0]
+            assert isinstance(claim, _Claim)
+            try:  # claims are queued on SQLite only (MySQL/MariaDB: each its own transaction)
+                results.append(_claim_sqlite(conn, claim.topic, claim.params))
+            except BrokerError as exc:
+                results.append(Failed(exc))
+        start = end
+    return results
 
 
 def _publish_all(conn: Connection, messages: list[tuple[dict[str, Any], int]]) -> list[tuple[int, bool]]:

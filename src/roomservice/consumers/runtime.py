@@ -93,6 +93,10 @@ class GroupRunner:
         self.options = options
         self.counts = GroupCounts()
         m.consumer_group_started(handler.group)
+        # the group's metric children, looked up once: labels() costs a lock and a dict walk per call
+        self._counted = {o: m.CONSUMER_MESSAGES.labels(handler.group, o) for o in ("failed", "redeliver", *Outcome)}
+        self._redeliveries = m.CONSUMER_REDELIVERIES.labels(handler.group)
+        self._handle_seconds = m.CONSUMER_HANDLE_SECONDS.labels(handler.group)
         self._stopping = asyncio.Event()
         self._slots = asyncio.Semaphore(options.concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -187,7 +191,7 @@ class GroupRunner:
         started = time.perf_counter()
         if delivery.delivery_count > 1:
             self.counts.redelivered += 1
-            m.CONSUMER_REDELIVERIES.labels(group).inc()
+            self._redeliveries.inc()
         try:
             try:
                 if tracing.ENABLED:  # continues the trace context of the message's headers
@@ -202,12 +206,12 @@ class GroupRunner:
                 else:
                     outcome = await self.handler.handle(delivery)
             except Redeliver as again:
-                m.CONSUMER_MESSAGES.labels(group, "redeliver").inc()
+                self._counted["redeliver"].inc()
                 await self._settle(delivery, nack_delay_s=again.delay_s, reason=again.message)
                 return
             except Exception as exc:
                 self.counts.failures += 1
-                m.CONSUMER_MESSAGES.labels(group, "failed").inc()
+                self._counted["failed"].inc()
                 delay_s = self.options.backoff.backoff_ms(delivery.delivery_count) / 1000
                 last = delivery.delivery_count >= self.options.max_deliveries
                 _log.warning(
@@ -226,10 +230,10 @@ class GroupRunner:
                 self.counts.duplicates += 1
             else:
                 self.counts.applied += 1
-            m.CONSUMER_MESSAGES.labels(group, outcome.value).inc()
+            self._counted[outcome].inc()
             await self._settle(delivery, nack_delay_s=None, reason="")
         finally:
-            m.CONSUMER_HANDLE_SECONDS.labels(group).observe(time.perf_counter() - started)
+            self._handle_seconds.observe(time.perf_counter() - started)
             self._slots.release()
 
     async def _settle(self, delivery: Delivery, *, nack_delay_s: float | None, reason: str) -> None:

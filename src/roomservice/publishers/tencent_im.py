@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import sqlalchemy as sa
 
@@ -74,9 +74,8 @@ class SentSteps:
         self._insert = db.insert_ignoring_duplicates(t.im_sent_event)
         # records that arrive together (the IM bridge sends 8 at a time) share one write transaction
         self._records: Coalesced[dict[str, object], None] = Coalesced(db, self._insert_all)
-        self._select = sa.select(t.im_sent_event.c.operation).where(
-            t.im_sent_event.c.event_id == sa.bindparam("event_id")
-        )
+        # the look-ups that arrive together (the IM bridge's deliveries of one fetch) share one read
+        self._reads: Coalesced[str, set[str]] = Coalesced(db, _done_all, read=True)
         self._destroyed = (
             sa.select(t.im_sent_event.c.event_id)
             .where(t.im_sent_event.c.group_id == sa.bindparam("group_id"), t.im_sent_event.c.operation == DESTROY)
@@ -98,8 +97,7 @@ class SentSteps:
         return RoomOfGroup(str(rows[0].owner_id), str(rows[0].title), str(rows[0].status)) if rows else None
 
     async def done(self, event_id: str) -> set[str]:
-        rows = await self._db.run_read(_rows, self._select, {"event_id": event_id})
-        return {op for (op,) in rows}
+        return await self._reads.submit(event_id)
 
     async def destroyed(self, group_id: str) -> bool:
         """Did we destroy this group (its room closed)?"""
@@ -112,6 +110,19 @@ class SentSteps:
 
 def _rows(conn: sa.Connection, statement: sa.Executable, params: dict[str, object]) -> list[sa.Row[Any]]:
     return list(conn.execute(statement, params).all())
+
+
+_SENT_STEPS: Final = sa.select(t.im_sent_event.c.event_id, t.im_sent_event.c.operation).where(
+    t.im_sent_event.c.event_id.in_(sa.bindparam("event_ids", expanding=True))
+)
+
+
+def _done_all(conn: sa.Connection, event_ids: list[str]) -> list[set[str]]:
+    """The steps recorded for each of ``event_ids`` (one statement; a repeated id gets the same)."""
+    done: dict[str, set[str]] = {event_id: set() for event_id in event_ids}
+    for event_id, operation in conn.execute(_SENT_STEPS, {"event_ids": list(done)}):
+        done[event_id].add(operation)
+    return [set(done[event_id]) for event_id in event_ids]
 
 
 def message_data(event: e.Event) -> str:

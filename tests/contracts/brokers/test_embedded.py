@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
-from tests.conftest import migrated_database
+from tests.conftest import count_calls, migrated_database
 from tests.contracts.brokers.base import DurableBrokerContract, message, unique
 from tests.contracts.test_outbox_repository import second_process
 
@@ -226,6 +226,39 @@ async def test_a_fetch_right_after_one_that_handed_messages_out_claims_checks_an
     await asyncio.sleep(0.05)
     await embedded.publish(late, timeout_s=5)
     assert [d.key for d in await asyncio.wait_for(waiting, timeout=10)] == [late.key]
+
+
+async def test_claims_acks_and_publishes_queued_together_share_a_transaction_and_a_refused_claim_fails_alone(
+    database: Database, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = count_calls(monkeypatch, database, "run_write")
+    embedded = EmbeddedBroker(database, config=FAST, clock=clock)
+    topic, groups = unique("topic"), [unique("g") for _ in range(3)]
+    for group in groups:
+        await embedded.declare_group(topic, group, max_deliveries=3)
+    first, second, third = (message(topic) for _ in range(3))
+    for sent in (first, second):
+        await embedded.publish(sent, timeout_s=5)
+    held = [(await embedded.fetch(topic, g, max_messages=1, wait_s=0, visibility_s=30))[0] for g in groups]
+    before = writes.count  # every group's last claim handed out: the next ones claim at once
+    got_1, got_2, refused, acked, published = await asyncio.gather(
+        embedded.fetch(topic, groups[1], max_messages=5, wait_s=0, visibility_s=30),
+        embedded.fetch(topic, groups[2], max_messages=5, wait_s=0, visibility_s=30),
+        embedded.fetch(unique("topic"), groups[0], max_messages=5, wait_s=0, visibility_s=30),
+        embedded.ack(held[0]),
+        embedded.publish(third, timeout_s=5),
+        return_exceptions=True,
+    )
+    if database.is_sqlite:  # one writer: one shared transaction (MySQL/MariaDB: each claim its own)
+        assert writes.count == before + 1
+    assert isinstance(refused, BrokerError) and "consumes topic" in str(refused)  # alone: the others committed
+    assert acked is None and isinstance(published, str)
+    for got in (got_1, got_2):  # SQLite: claimed before the publish queued after them (MySQL: either way)
+        assert isinstance(got, list)
+        claimed = [d.key for d in got]
+        assert claimed == [second.key] or (not database.is_sqlite and claimed == [second.key, third.key])
+    rest = await embedded.fetch(topic, groups[0], max_messages=5, wait_s=0, visibility_s=30)
+    assert [d.key for d in rest] == [second.key, third.key]  # its first message acked, nothing lost
 
 
 # --------------------------------------------------------------------------- retention

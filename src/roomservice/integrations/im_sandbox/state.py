@@ -50,7 +50,7 @@ from typing import Any, Literal, TypeGuard
 
 from roomservice.integrations.im_sandbox.journal import SandboxJournal
 from roomservice.integrations.tencent_im.ratelimit import TokenBucket
-from roomservice.integrations.tencent_im.usersig import UserSigError, verify_usersig
+from roomservice.integrations.tencent_im.usersig import SignedFor, UserSigError, check_usersig
 
 __all__ = ["GROUP_TYPES", "OutageMode", "SandboxReply", "SandboxState"]
 
@@ -284,6 +284,9 @@ class SandboxState:
         self.journal_error: str | None = None  # the last failure to write the journal, if any
         self.replayed = 0
         self.replay_failures = 0
+        # the last UserSig whose signature checked out, with its app and key: a client sends the same
+        # one until it renews it, and checking it (base64, zlib, JSON, HMAC) cost more than most calls
+        self._signed: tuple[str, int, str, SignedFor] | None = None
         self._forget()
         if journal is not None:
             self._replay(journal)
@@ -513,7 +516,7 @@ class SandboxState:
         if not identifier or not sig:
             raise _Fail(60004, "identifier and usersig are required")
         try:
-            signed_for = verify_usersig(sig, self.sdk_app_id, self.secret_key, now_s=int(self.now()))
+            signed_for = self._checked(sig).valid_at(int(self.now()))
         except UserSigError as exc:
             raise _Fail(_USERSIG_CODES.get(exc.reason, 70003), str(exc)) from exc
         if signed_for != identifier:
@@ -523,6 +526,15 @@ class SandboxState:
         if self.usersig_expiry_remaining > 0:
             self.usersig_expiry_remaining -= 1
             raise _Fail(70001, "UserSig expired (injected)")
+
+    def _checked(self, sig: str) -> SignedFor:
+        """``check_usersig`` of ``sig`` for this app and key, kept for the next call with the same."""
+        cached = self._signed
+        if cached is not None and cached[:3] == (sig, self.sdk_app_id, self.secret_key):
+            return cached[3]
+        signed = check_usersig(sig, self.sdk_app_id, self.secret_key)
+        self._signed = (sig, self.sdk_app_id, self.secret_key, signed)
+        return signed
 
     def _throttle(self, service: str, command: str) -> None:
         rate = self.rate_limit_per_second

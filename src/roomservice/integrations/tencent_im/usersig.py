@@ -23,10 +23,13 @@ import hashlib
 import hmac
 import json
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "SignedFor",
     "UserSigError",
+    "check_usersig",
     "decode_usersig",
     "gen_usersig",
     "tls_b64decode",
@@ -94,12 +97,24 @@ def decode_usersig(sig: str) -> dict[str, Any]:
     return doc
 
 
-def verify_usersig(sig: str, sdk_app_id: int, key: str, *, now_s: int) -> str:
-    """Check ``sig`` for app ``sdk_app_id`` with ``key`` at ``now_s``; return its identifier.
+@dataclass(frozen=True, slots=True)
+class SignedFor:
+    """What a UserSig whose signature checked out says: who it is for, and until when."""
 
-    Raises :class:`UserSigError` when it is malformed, signed with another key, issued
-    for another app, or expired (``TLS.time + TLS.expire < now_s``).
-    """
+    identifier: str
+    expires_at_s: int  # TLS.time + TLS.expire
+
+    def valid_at(self, now_s: int) -> str:
+        """The identifier, or :class:`UserSigError` (expired) once ``now_s`` is past the expiry."""
+        if self.expires_at_s < now_s:
+            raise UserSigError("expired", f"UserSig expired at {self.expires_at_s} (now {now_s})")
+        return self.identifier
+
+
+def check_usersig(sig: str, sdk_app_id: int, key: str) -> SignedFor:
+    """Check ``sig``'s signature with ``key`` and that it was issued for app ``sdk_app_id``; its
+    expiry is the caller's to check (:meth:`SignedFor.valid_at`). The same ``sig``, app and key
+    always give the same answer, so a verifier may keep it. Raises :class:`UserSigError`."""
     doc = decode_usersig(sig)
     try:
         identifier = doc["TLS.identifier"]
@@ -122,6 +137,13 @@ def verify_usersig(sig: str, sdk_app_id: int, key: str, *, now_s: int) -> str:
         raise UserSigError("bad_signature", "UserSig signature does not verify")
     if app != sdk_app_id:
         raise UserSigError("wrong_app", f"UserSig was issued for sdkappid {app}, not {sdk_app_id}")
-    if issued_at + ttl < now_s:
-        raise UserSigError("expired", f"UserSig expired at {issued_at + ttl} (now {now_s})")
-    return identifier
+    return SignedFor(identifier, issued_at + ttl)
+
+
+def verify_usersig(sig: str, sdk_app_id: int, key: str, *, now_s: int) -> str:
+    """Check ``sig`` for app ``sdk_app_id`` with ``key`` at ``now_s``; return its identifier.
+
+    Raises :class:`UserSigError` when it is malformed, signed with another key, issued
+    for another app, or expired (``TLS.time + TLS.expire < now_s``).
+    """
+    return check_usersig(sig, sdk_app_id, key).valid_at(now_s)
