@@ -304,3 +304,52 @@ async def test_one_failing_delivery_of_a_fetched_batch_fails_alone(broker: FakeB
     (dead,) = await broker.dead_letters(GROUP)
     assert dead.key == "e2"
     assert runtime.runner(GROUP).counts.applied == 3 and runtime.runner(GROUP).counts.failures == 2
+
+
+class OneByOne(Recorder):
+    """A handler whose deliveries finish only when the test lets them, one at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Semaphore(0)
+
+    async def handle(self, delivery: Delivery) -> Outcome:
+        await self.go.acquire()
+        return await super().handle(delivery)
+
+
+async def one_by_one(messages: int, refill_wait_s: float) -> tuple[CountingFetches, OneByOne, ConsumerRuntime]:
+    """A group of 8 slots whose first fetch took 8 of ``messages`` deliveries, none finished yet."""
+    broker = CountingFetches()
+    handler = OneByOne()
+    runtime = ConsumerRuntime(broker, [(handler, options(concurrency=8, batch_size=8, refill_wait_s=refill_wait_s))])
+    await publish(broker, *(f"e{i}" for i in range(messages)))
+    runtime.start()
+    await until(lambda: broker.fetches == [(8, 8)])
+    return broker, handler, runtime
+
+
+async def test_while_deliveries_are_in_flight_a_fetch_waits_for_half_the_slots_not_one() -> None:
+    broker, handler, runtime = await one_by_one(24, refill_wait_s=30)
+    for n in range(1, 17):  # freed one by one, as a rate limit frees the IM bridge's
+        handler.go.release()
+        await until(lambda n=n: len(handler.applied) == n)  # type: ignore[misc]
+    await until(lambda: len(broker.fetches) == 5)
+    assert broker.fetches[1:] == [(4, 4)] * 4  # one fetch per four freed slots, not one per slot
+    for _ in range(8):  # the rest finish; with none in flight a fetch waits for nothing
+        handler.go.release()
+    await until(lambda: len(handler.applied) == 24 and _lag(broker, 0))
+    await runtime.shutdown(grace_s=1)
+    await broker.close()
+
+
+async def test_a_fetch_waits_for_freed_slots_no_longer_than_refill_wait_s() -> None:
+    broker, handler, runtime = await one_by_one(9, refill_wait_s=0.05)
+    handler.go.release()  # one slot frees and the other seven stay busy: it fetches after the wait anyway
+    await until(lambda: len(broker.fetches) == 2)
+    assert broker.fetches[1] == (1, 1)
+    for _ in range(8):
+        handler.go.release()
+    await until(lambda: len(handler.applied) == 9)
+    await runtime.shutdown(grace_s=1)
+    await broker.close()

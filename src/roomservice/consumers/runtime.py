@@ -68,6 +68,10 @@ class GroupOptions:
     concurrency: int = 32  # deliveries of one group handled at once (as many as a fetch takes)
     visibility_s: float = 30.0  # a delivery not acked by then comes back
     wait_s: float = 1.0  # long-poll of one fetch
+    # While deliveries are in flight, a fetch waits up to this long for half the slots to be free: a
+    # fetch into each slot as it frees costs a claim per delivery (the IM bridge's deliveries free
+    # one by one, at its rate limit) while those in flight keep the group busy meanwhile. 0: never.
+    refill_wait_s: float = 0.1
     # handle one sharding key's (one room's) deliveries one after the other, in the order they were fetched,
     # while other keys run concurrently (the IM bridge: a client sees a room's messages in a sensible order)
     ordered_by_key: bool = False
@@ -99,6 +103,9 @@ class GroupRunner:
         self._handle_seconds = m.CONSUMER_HANDLE_SECONDS.labels(handler.group)
         self._stopping = asyncio.Event()
         self._slots = asyncio.Semaphore(options.concurrency)
+        self._handling = 0  # slots held by deliveries (fetched, not settled yet)
+        self._freed = asyncio.Event()  # a delivery let its slot go
+        self._refill_at = max(1, min(options.batch_size, options.concurrency) // 2)
         self._in_flight: set[asyncio.Task[None]] = set()
         self._last_of_key: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -124,10 +131,9 @@ class GroupRunner:
             # Fetch only what can start at once: wait for one free slot, then take every other free one
             # (a delivery fetched with no slot to run in would spend its visibility timeout waiting).
             await self._slots.acquire()
-            reserved = 1
-            while reserved < opts.batch_size and not self._slots.locked():
-                await self._slots.acquire()  # free: returns at once
-                reserved += 1
+            reserved = 1 + await self._free_slots(opts.batch_size - 1)
+            if reserved < self._refill_at and self._handling and opts.refill_wait_s > 0:
+                reserved += await self._slots_freed(self._refill_at - reserved, opts.refill_wait_s)
             try:
                 deliveries = await self.broker.fetch(
                     self.handler.topic,
@@ -142,6 +148,7 @@ class GroupRunner:
                 await self._pause_after_fetch_failure(exc)
                 continue
             self._release(reserved - len(deliveries))
+            self._handling += len(deliveries)
             for delivery in deliveries:  # each holds one reserved slot until it is settled
                 before = self._last_of_key.get(delivery.sharding_key) if opts.ordered_by_key else None
                 task = asyncio.create_task(
@@ -156,6 +163,28 @@ class GroupRunner:
     def _release(self, slots: int) -> None:
         for _ in range(slots):
             self._slots.release()
+
+    async def _free_slots(self, most: int) -> int:
+        """Reserve the slots free now, up to ``most``; how many."""
+        taken = 0
+        while taken < most and not self._slots.locked():
+            await self._slots.acquire()  # free: returns at once
+            taken += 1
+        return taken
+
+    async def _slots_freed(self, wanted: int, wait_s: float) -> int:
+        """Reserve up to ``wanted`` more slots as deliveries in flight let theirs go, for at most
+        ``wait_s`` and only while some are in flight (once none is, nothing more comes free)."""
+        taken = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                while True:
+                    self._freed.clear()
+                    taken += await self._free_slots(wanted - taken)
+                    if taken >= wanted or not self._handling or self._stopping.is_set():
+                        break
+                    await self._freed.wait()
+        return taken
 
     async def _declare(self) -> None:
         while not self._stopping.is_set():
@@ -234,7 +263,9 @@ class GroupRunner:
             await self._settle(delivery, nack_delay_s=None, reason="")
         finally:
             self._handle_seconds.observe(time.perf_counter() - started)
+            self._handling -= 1
             self._slots.release()
+            self._freed.set()
 
     async def _settle(self, delivery: Delivery, *, nack_delay_s: float | None, reason: str) -> None:
         """Ack or nack; if the broker does not answer, the delivery comes back after its visibility timeout."""
