@@ -353,3 +353,35 @@ async def test_a_fetch_waits_for_freed_slots_no_longer_than_refill_wait_s() -> N
     await until(lambda: len(handler.applied) == 9)
     await runtime.shutdown(grace_s=1)
     await broker.close()
+
+
+class SharedAcks(CountingFetches):
+    """A broker whose acks share transactions (as the embedded one's do): the runtime holds them back."""
+
+    acks_share_transactions = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acked: list[str] = []
+
+    async def ack(self, delivery: Delivery) -> None:
+        self.acked.append(delivery.key)
+        await super().ack(delivery)
+
+
+async def test_acks_trickling_in_wait_for_the_others_under_way_on_a_broker_whose_acks_share_transactions() -> None:
+    broker = SharedAcks()
+    handler = OneByOne()
+    runtime = ConsumerRuntime(broker, [(handler, options(concurrency=4, batch_size=4, ack_linger_s=30))])
+    await publish(broker, *(f"e{i}" for i in range(4)))
+    runtime.start()
+    await until(lambda: len(broker.fetches) >= 1)
+    for n in range(1, 4):
+        handler.go.release()
+        await until(lambda n=n: len(handler.applied) == n)  # type: ignore[misc]
+    assert broker.acked == []  # the fourth delivery is still under way: their acks wait for its
+    handler.go.release()
+    await until(lambda: len(broker.acked) == 4)  # together, once every delivery under way was done
+    await until(lambda: _lag(broker, 0))
+    await runtime.shutdown(grace_s=1)
+    await broker.close()

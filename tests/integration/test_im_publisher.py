@@ -687,3 +687,21 @@ async def test_sent_record_lookups_that_arrive_together_share_one_read(
     assert reads.count == before + 1
     done[0].add(DESTROY)  # each caller gets a set of its own
     assert done[3] == {MEMBER, MESSAGE}
+
+
+async def test_a_record_waits_for_those_of_the_other_publishes_under_way_and_they_share_a_write(
+    database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = count_calls(monkeypatch, database, "run_write")
+    steps = SentSteps(database, clock=now_ms, record_linger_s=30)
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    with steps.under_way(), steps.under_way():  # two publishes under way
+        early = asyncio.create_task(steps.record(first, "g", MESSAGE))
+        await asyncio.sleep(0)
+        assert not early.done()  # held for the other publish's record
+        await steps.record(second, "g", MESSAGE)
+        await early
+    assert writes.count == 1
+    assert await asyncio.gather(steps.done(first), steps.done(second)) == [{MESSAGE}, {MESSAGE}]
+    await steps.record(uuid.uuid4().hex, "g", GROUP)  # nobody else under way: at once
+    assert writes.count == 2

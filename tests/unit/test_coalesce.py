@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from sqlalchemy import Connection, text
 
-from roomservice.coalesce import Coalesced
+from roomservice.coalesce import Coalesced, HeldBack
 from roomservice.store.database import Database
 
 
@@ -73,3 +73,55 @@ async def test_a_caller_that_stops_waiting_leaves_the_others_answered(database: 
     assert await asyncio.gather(*patient) == list(range(n))
     assert impatient.cancelled()
     assert written == list(range(n))  # it gave up before its batch was taken: left out, never written
+
+
+class Starts:
+    """A call that records when it starts and answers once the test lets it (or fails for "bad")."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.answer = asyncio.Event()
+        self.answer.set()
+
+    async def __call__(self, item: str) -> str:
+        self.started.append(item)
+        await self.answer.wait()
+        if item == "bad":
+            raise ValueError(item)
+        return item.upper()
+
+
+async def test_held_back_calls_start_together_once_everyone_under_way_is_held() -> None:
+    call, under_way = Starts(), 3
+    held = HeldBack(call, linger_s=30, expected=lambda: under_way)
+    first = asyncio.create_task(held("a"))
+    second = asyncio.create_task(held("bad"))
+    await asyncio.sleep(0)
+    assert call.started == []  # a third caller is under way: they wait for it
+    assert await held("c") == "C"
+    assert call.started == ["a", "bad", "c"]
+    assert await first == "A"
+    with pytest.raises(ValueError, match="bad"):  # each caller hears its own call's outcome
+        await second
+
+
+async def test_a_held_back_call_starts_at_once_alone_and_after_linger_s_at_the_latest() -> None:
+    call = Starts()
+    assert await HeldBack(call, linger_s=30, expected=lambda: 1)("alone") == "ALONE"
+    held = HeldBack(call, linger_s=0.05, expected=lambda: 5)
+    waiting = asyncio.create_task(held("late"))
+    await asyncio.sleep(0)
+    assert call.started == ["alone"]  # held: four others are under way
+    assert await asyncio.wait_for(waiting, timeout=10) == "LATE"  # the linger ran out, it went alone
+
+
+async def test_a_caller_that_stops_waiting_while_held_is_left_out() -> None:
+    call = Starts()
+    held = HeldBack(call, linger_s=30, expected=lambda: 3)
+    gone = asyncio.create_task(held("gone"))
+    await asyncio.sleep(0)
+    gone.cancel()
+    kept = asyncio.create_task(held("kept"))
+    await asyncio.sleep(0)
+    assert await held("last") == "LAST"
+    assert await kept == "KEPT" and call.started == ["kept", "last"]

@@ -307,6 +307,9 @@ class EmbeddedBroker:
     """The broker port on a :class:`Database`; the database is the caller's (not closed here)."""
 
     name = "embedded"
+    # acks that arrive together share one transaction: the consumer runtime holds a group's acks back
+    # a few milliseconds for the others under way (ConsumerRuntime, GroupOptions.ack_linger_s)
+    acks_share_transactions = True
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from structlog.contextvars import bound_contextvars
 
 from roomservice import errors
 from roomservice.brokers.port import Broker, Delivery
+from roomservice.coalesce import HeldBack
 from roomservice.observability import metrics as m
 from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
@@ -72,6 +73,10 @@ class GroupOptions:
     # fetch into each slot as it frees costs a claim per delivery (the IM bridge's deliveries free
     # one by one, at its rate limit) while those in flight keep the group busy meanwhile. 0: never.
     refill_wait_s: float = 0.1
+    # On a broker whose acks share transactions (``acks_share_transactions``: the embedded one), an ack
+    # waits up to this long for the acks of the group's other deliveries under way (none under way:
+    # it goes at once), so that acks trickling in a few milliseconds apart share one. 0: never.
+    ack_linger_s: float = 0.02
     # handle one sharding key's (one room's) deliveries one after the other, in the order they were fetched,
     # while other keys run concurrently (the IM bridge: a client sees a room's messages in a sensible order)
     ordered_by_key: bool = False
@@ -106,6 +111,8 @@ class GroupRunner:
         self._handling = 0  # slots held by deliveries (fetched, not settled yet)
         self._freed = asyncio.Event()  # a delivery let its slot go
         self._refill_at = max(1, min(options.batch_size, options.concurrency) // 2)
+        linger_s = options.ack_linger_s if getattr(broker, "acks_share_transactions", False) else 0.0
+        self._ack = HeldBack(broker.ack, linger_s=linger_s, expected=lambda: self._handling)
         self._in_flight: set[asyncio.Task[None]] = set()
         self._last_of_key: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -271,7 +278,7 @@ class GroupRunner:
         """Ack or nack; if the broker does not answer, the delivery comes back after its visibility timeout."""
         try:
             if nack_delay_s is None:
-                await self.broker.ack(delivery)
+                await self._ack(delivery)
             else:
                 await self.broker.nack(delivery, delay_s=nack_delay_s, reason=reason[:500])
         except Exception as exc:

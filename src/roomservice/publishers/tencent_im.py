@@ -25,14 +25,15 @@ even after the 5-minute window — re-sends only the steps that did not happen.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 import sqlalchemy as sa
 
-from roomservice.coalesce import Coalesced
+from roomservice.coalesce import Coalesced, HeldBack
 from roomservice.domain import events as e
 from roomservice.domain.routing import Target
 from roomservice.domain.state import CLOSED
@@ -51,6 +52,7 @@ from roomservice.store.database import Database
 _log = get_logger("roomservice.im")
 
 GROUP, MEMBER, MESSAGE, DESTROY = "group", "member", "message", "destroy"
+RECORD_LINGER_S = 0.02  # the longest a record waits for those of the other publishes under way
 AVCHATROOM = "AVChatRoom"
 
 
@@ -67,13 +69,16 @@ class SentSteps:
     """Our own record of IM steps done per event (Tencent dedupes for 5 minutes only), and
     the room a missing group is re-created for."""
 
-    def __init__(self, db: Database, *, clock: Callable[[], int]) -> None:
+    def __init__(self, db: Database, *, clock: Callable[[], int], record_linger_s: float = RECORD_LINGER_S) -> None:
         self._db = db
         self.db = db  # the store the record lives in (the IM bridge reads the room's outbox rows there)
         self._clock = clock
         self._insert = db.insert_ignoring_duplicates(t.im_sent_event)
-        # records that arrive together (the IM bridge sends 8 at a time) share one write transaction
+        # records that arrive together share one write transaction; while other publishes are under
+        # way a record waits a moment for theirs (sends come one by one, at the IM rate limit)
         self._records: Coalesced[dict[str, object], None] = Coalesced(db, self._insert_all)
+        self._under_way = 0
+        self._record = HeldBack(self._records.submit, linger_s=record_linger_s, expected=lambda: self._under_way)
         # the look-ups that arrive together (the IM bridge's deliveries of one fetch) share one read
         self._reads: Coalesced[str, set[str]] = Coalesced(db, _done_all, read=True)
         self._destroyed = (
@@ -105,7 +110,16 @@ class SentSteps:
 
     async def record(self, event_id: str, group_id: str, step: str) -> None:
         row = {"event_id": event_id, "group_id": group_id, "operation": step, "sent_at_ms": self._clock()}
-        await self._records.submit(row)
+        await self._record(row)
+
+    @contextlib.contextmanager
+    def under_way(self) -> Iterator[None]:
+        """Around a publish that may record steps: others' records wait a moment for its own."""
+        self._under_way += 1
+        try:
+            yield
+        finally:
+            self._under_way -= 1
 
 
 def _rows(conn: sa.Connection, statement: sa.Executable, params: dict[str, object]) -> list[sa.Row[Any]]:
@@ -187,7 +201,8 @@ class TencentImPublisher:
         """Do the IM steps of ``event`` our record does not show; ``done``: that record, read by the
         caller a moment ago (None: read it here)."""
         try:
-            await self._publish(event, deadline, done)
+            with self.steps.under_way():
+                await self._publish(event, deadline, done)
         except im_errors.ImError as exc:
             if exc.retryable:
                 raise RetryableError(str(exc)) from exc
