@@ -203,6 +203,29 @@ async def test_committed_connections_return_to_the_pool_without_a_rollback(maria
     assert after_failure - after_commits >= 2  # the failed write rolled back (+ the read)
 
 
+async def test_mariadb_statements_run_prepared_and_a_refused_bulk_runs_row_by_row(mariadb_url: str) -> None:
+    """Parameterised statements go prepared (no escaping on the client); an executemany the server
+    refuses to bulk-execute (INSERT ... SELECT) still inserts every row."""
+    db = Database.from_url(mariadb_url, pool_size=1, max_overflow=0)  # one connection: one session
+    table = sa.table("prepared_probe", sa.column("n"), sa.column("doc"))
+    try:
+        async with db.write() as conn:
+            await conn.execute(sa.text("CREATE TEMPORARY TABLE prepared_probe (n INT, doc TEXT)"))
+            executed = int((await conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Com_stmt_execute'"))).one()[1])
+            await conn.execute(sa.insert(table), [{"n": n, "doc": "a'b\\c\x00" * 50} for n in range(3)])
+            await conn.execute(
+                sa.insert(table).from_select(["n", "doc"], sa.select(sa.bindparam("n"), sa.bindparam("doc"))),
+                [{"n": 10 + n, "doc": "x"} for n in range(3)],
+            )
+            rows = (await conn.execute(sa.select(table.c.n, table.c.doc).order_by(table.c.n))).all()
+            after = int((await conn.execute(sa.text("SHOW SESSION STATUS LIKE 'Com_stmt_execute'"))).one()[1])
+    finally:
+        await db.dispose()
+    assert [n for n, _ in rows] == [0, 1, 2, 10, 11, 12]
+    assert {doc for n, doc in rows if n < 10} == {"a'b\\c\x00" * 50}  # bytes as sent, quotes and backslashes kept
+    assert after > executed  # prepared (COM_STMT_EXECUTE), not text queries
+
+
 # --------------------------------------------------------------------------- deadlines
 
 _COUNT_FOREVER = (  # a statement that runs for minutes unless interrupted
