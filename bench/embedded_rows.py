@@ -4,7 +4,8 @@
 the outbox worker in mq mode on the embedded broker and the consumer groups of the
 room outbox topic (activity, notice, IM bridge against the in-process IM sandbox) in
 the process that takes the commands. This benchmark runs exactly those parts in
-process (``Process.running`` with the serve roles and the packaged settings, no HTTP:
+process (``Process.running`` with the serve roles, the packaged settings and serve's
+garbage-collector settings, ``cli/collector.py``; no HTTP:
 ``bench.http_commands`` measures the HTTP server), one configuration per part:
 
   * ``commands``: the outbox worker off (the command path alone);
@@ -43,6 +44,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from roomservice.bootstrap import SERVE_ROLES, Process
+from roomservice.cli.collector import settle_after_start
 from roomservice.config import Settings, load_settings
 from roomservice.domain import commands as c
 from roomservice.observability.logging import configure_logging
@@ -119,6 +121,7 @@ async def run_part(part: str, *, commands: int, concurrency: int, tag: str, prof
     with tempfile.TemporaryDirectory(prefix="roombench-rows-") as tmp:
         settings, groups = settings_for(part, Path(tmp))
         async with Process.running(settings, roles=SERVE_ROLES, groups=groups) as rt:
+            settle_after_start()  # the collector as `serve` runs it (cli/collector.py)
             svc = rt.service
             for r in range(ROOMS):
                 await svc.execute(APP, f"{tag}h{r}", f"{tag}c{r}", c.CreateRoom(owner_id="o", title="t"))
