@@ -87,6 +87,8 @@ class HeldBack(Generic[ItemT, ResultT]):
     def __init__(
         self, call: Callable[[ItemT], Awaitable[ResultT]], *, linger_s: float, expected: Callable[[], int]
     ) -> None:
+        """``call`` may return a future (queued at once, as ``Coalesced.submit_nowait`` does): the held
+        calls then start without a task each."""
         self._call = call
         self._linger_s = linger_s
         self._expected = expected
@@ -111,8 +113,14 @@ class HeldBack(Generic[ItemT, ResultT]):
             self._timer = None
         held, self._held = self._held, []
         for item, future in held:
-            if not future.done():  # its caller gave up while it was held: never started
-                _follow(asyncio.ensure_future(self._call(item)), future)
+            if future.done():  # its caller gave up while it was held: never started
+                continue
+            try:
+                started = asyncio.ensure_future(self._call(item))
+            except Exception as exc:  # refused before it started: to its caller alone
+                future.set_exception(exc)
+                continue
+            _follow(started, future)
 
 
 def _follow(call: asyncio.Future[ResultT], caller: asyncio.Future[ResultT]) -> None:

@@ -356,17 +356,16 @@ async def test_a_fetch_waits_for_freed_slots_no_longer_than_refill_wait_s() -> N
 
 
 class SharedAcks(CountingFetches):
-    """A broker whose acks share transactions (as the embedded one's do): the runtime holds them back."""
-
-    acks_share_transactions = True
+    """A broker whose acks queued together share a transaction (it has ``ack_nowait``, as the embedded
+    one has): the runtime holds them back."""
 
     def __init__(self) -> None:
         super().__init__()
         self.acked: list[str] = []
 
-    async def ack(self, delivery: Delivery) -> None:
+    def ack_nowait(self, delivery: Delivery) -> asyncio.Future[None]:
         self.acked.append(delivery.key)
-        await super().ack(delivery)
+        return asyncio.ensure_future(self.ack(delivery))
 
 
 async def test_acks_trickling_in_wait_for_the_others_under_way_on_a_broker_whose_acks_share_transactions() -> None:

@@ -125,3 +125,22 @@ async def test_a_caller_that_stops_waiting_while_held_is_left_out() -> None:
     await asyncio.sleep(0)
     assert await held("last") == "LAST"
     assert await kept == "KEPT" and call.started == ["kept", "last"]
+
+
+async def test_a_held_back_call_refused_before_it_starts_fails_alone() -> None:
+    started: list[str] = []
+
+    def queue(item: str) -> asyncio.Future[str]:  # queued at once, as Coalesced.submit_nowait queues
+        if item == "refused":
+            raise ValueError(item)
+        started.append(item)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        future.set_result(item.upper())
+        return future
+
+    held = HeldBack(queue, linger_s=30, expected=lambda: 2)
+    refused = asyncio.create_task(held("refused"))
+    await asyncio.sleep(0)
+    assert await held("kept") == "KEPT" and started == ["kept"]
+    with pytest.raises(ValueError, match="refused"):
+        await refused

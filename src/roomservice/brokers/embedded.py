@@ -307,9 +307,6 @@ class EmbeddedBroker:
     """The broker port on a :class:`Database`; the database is the caller's (not closed here)."""
 
     name = "embedded"
-    # acks that arrive together share one transaction: the consumer runtime holds a group's acks back
-    # a few milliseconds for the others under way (ConsumerRuntime, GroupOptions.ack_linger_s)
-    acks_share_transactions = True
 
     def __init__(
         self,
@@ -458,6 +455,13 @@ class EmbeddedBroker:
     async def ack(self, delivery: Delivery) -> None:
         await self._store(self._acks.submit(_Ack(_receipt_params(delivery))))
 
+    def ack_nowait(self, delivery: Delivery) -> asyncio.Future[None]:
+        """:meth:`ack`, queued before this returns (no task of its own): acks queued together share
+        one transaction, so the consumer runtime holds a group's acks back a few milliseconds for
+        the others under way and queues them at once (``GroupOptions.ack_linger_s``). The future
+        fails as :meth:`ack` does."""
+        return relay(self._acks.submit_nowait(_Ack(_receipt_params(delivery))), _nothing, _unavailable)
+
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         now = self._clock()
         params = {
@@ -568,6 +572,10 @@ class EmbeddedBroker:
             raise BrokerUnavailable(f"embedded broker: no answer within {timeout_s:g}s") from exc
         except StoreUnavailable as exc:
             raise _unavailable(exc) from exc
+
+
+def _nothing(_: object) -> None:
+    return None
 
 
 def _unavailable(exc: BaseException) -> BaseException:

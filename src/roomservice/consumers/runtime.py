@@ -73,9 +73,9 @@ class GroupOptions:
     # fetch into each slot as it frees costs a claim per delivery (the IM bridge's deliveries free
     # one by one, at its rate limit) while those in flight keep the group busy meanwhile. 0: never.
     refill_wait_s: float = 0.1
-    # On a broker whose acks share transactions (``acks_share_transactions``: the embedded one), an ack
-    # waits up to this long for the acks of the group's other deliveries under way (none under way:
-    # it goes at once), so that acks trickling in a few milliseconds apart share one. 0: never.
+    # On a broker whose acks queued together share a transaction (it has ``ack_nowait``: the embedded
+    # one), an ack waits up to this long for the acks of the group's other deliveries under way (none
+    # under way: it goes at once), so that acks trickling in a few milliseconds apart share one. 0: never.
     ack_linger_s: float = 0.02
     # handle one sharding key's (one room's) deliveries one after the other, in the order they were fetched,
     # while other keys run concurrently (the IM bridge: a client sees a room's messages in a sensible order)
@@ -111,8 +111,12 @@ class GroupRunner:
         self._handling = 0  # slots held by deliveries (fetched, not settled yet)
         self._freed = asyncio.Event()  # a delivery let its slot go
         self._refill_at = max(1, min(options.batch_size, options.concurrency) // 2)
-        linger_s = options.ack_linger_s if getattr(broker, "acks_share_transactions", False) else 0.0
-        self._ack = HeldBack(broker.ack, linger_s=linger_s, expected=lambda: self._handling)
+        ack_nowait = getattr(broker, "ack_nowait", None)  # queued at once, without a task per ack
+        self._ack = HeldBack(
+            ack_nowait or broker.ack,
+            linger_s=options.ack_linger_s if ack_nowait is not None else 0.0,
+            expected=lambda: self._handling,
+        )
         self._in_flight: set[asyncio.Task[None]] = set()
         self._last_of_key: dict[str, asyncio.Task[None]] = {}
         self._task: asyncio.Task[None] | None = None

@@ -9,6 +9,7 @@ per test, and the ``migrated_database`` helper empties the tables afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -259,6 +260,25 @@ async def test_claims_acks_and_publishes_queued_together_share_a_transaction_and
         assert claimed == [second.key] or (not database.is_sqlite and claimed == [second.key, third.key])
     rest = await embedded.fetch(topic, groups[0], max_messages=5, wait_s=0, visibility_s=30)
     assert [d.key for d in rest] == [second.key, third.key]  # its first message acked, nothing lost
+
+
+async def test_acks_queued_with_ack_nowait_share_a_transaction_and_refuse_what_ack_refuses(
+    database: Database, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = count_calls(monkeypatch, database, "run_write")
+    embedded = EmbeddedBroker(database, config=FAST, clock=clock)
+    topic, group = unique("topic"), unique("g")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    for _ in range(3):
+        await embedded.publish(message(topic), timeout_s=5)
+    got = await embedded.fetch(topic, group, max_messages=5, wait_s=0, visibility_s=30)
+    before = writes.count
+    acks = [embedded.ack_nowait(d) for d in got]  # queued before they return: no task each
+    assert await asyncio.gather(*acks) == [None] * 3
+    assert writes.count == before + 1  # one executemany, one transaction
+    assert (await embedded.group_stats(topic, group)).lag == 0
+    with pytest.raises(BrokerError, match="not a delivery of the embedded broker"):
+        embedded.ack_nowait(dataclasses.replace(got[0], receipt=None))
 
 
 # --------------------------------------------------------------------------- retention
