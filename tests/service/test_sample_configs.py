@@ -199,6 +199,12 @@ async def test_tencent_cloud_sample_runs_with_addresses_from_the_environment(
             async with Process.running(settings, room_api=True) as process:
                 assert isinstance(process.broker, RocketMQBroker)
                 assert isinstance(process.wallet, HttpWallet)
+                # issue 9: here the room service runs the IM bridge and the treasure-open groups only
+                assert process.consumers is not None
+                assert sorted(r.group for r in process.consumers.runners) == [
+                    "hyapp-room-im-bridge",
+                    "hyapp-room-treasure-open",
+                ]
                 await check_scale_out_parts(process, own_redis.url)
                 group = group_id_for("demo", "r1", group_type=settings.tencent_im.group_type)
                 assert sandbox.state.group(group) is not None  # created at CreateRoom through the configured IM
