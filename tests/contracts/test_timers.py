@@ -3,13 +3,15 @@
 A scheduler is driven through a :class:`SchedulerDriver`: the port itself only
 schedules, and each adapter fires its wake-ups its own way (the database timer
 through ``fire_due(opener)`` with a clock, the fake through ``fire_due(now_ms)``,
-later the broker's delay messages through a consumer). An adapter's suite
+the broker's delay messages through a fetch of the treasure-open group on the
+broker's clock). An adapter's suite
 subclasses :class:`TreasureSchedulerContract` (scheduling, firing times,
 idempotency) and, if its wake-ups outlive the object, :class:`DurableSchedulerContract`
 (a new scheduler object on the same storage — a restarted process — fires them).
 
-The database timer runs on SQLite and MariaDB through the ``database`` fixture;
-the fake passes the scheduling part.
+The database timer and the delay-message scheduler on the embedded broker run on
+SQLite and MariaDB through the ``database`` fixture; the fake passes the
+scheduling part.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from typing import ClassVar, Protocol
 import pytest
 import pytest_asyncio
 
+from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.domain.commands import OpenTreasure, treasure_open_command_id
 from roomservice.domain.events import Event, RoomTreasureCountdownStarted, RoomUserJoined
 from roomservice.errors import Unavailable
 from roomservice.store.database import Database
+from roomservice.timers.delay_message import DelayMessageScheduler, TreasureWakeup
 from roomservice.timers.fake import FakeTreasureScheduler
 from roomservice.timers.port import TreasureScheduler
 from roomservice.timers.treasure import DatabaseTreasureTimer
@@ -256,6 +260,58 @@ class TestDatabaseTreasureTimer(DurableSchedulerContract):
     @pytest.fixture
     def driver(self, database: Database, backend_url: str, extra_databases: list[Database]) -> DatabaseDriver:
         return DatabaseDriver(database, backend_url, owner="process-1", opened=extra_databases)
+
+
+TREASURE_TOPIC, TREASURE_GROUP = "hyapp_room_treasure_open", "hyapp-room-treasure-open"
+
+
+class DelayMessageDriver:
+    """A :class:`DelayMessageScheduler` on an :class:`EmbeddedBroker` whose clock the test sets.
+
+    A wake-up fires when the treasure-open group can fetch it (the broker holds a delay message
+    until its ``deliver_at_ms``); firing acknowledges it, as the consumer runtime does once the
+    room answered. Idempotency per box is the broker's: the message key is the box, and a
+    re-publish of a retained key is stored once."""
+
+    def __init__(self, db: Database, *, clock: _Clock | None = None, opened: list[EmbeddedBroker]) -> None:
+        self.db = db
+        self.clock = clock or _Clock()
+        self.broker = EmbeddedBroker(db, clock=self.clock)
+        self.opened = opened
+        opened.append(self.broker)
+        self.scheduler = DelayMessageScheduler(self.broker, topic=TREASURE_TOPIC, publish_timeout_s=5)
+
+    async def declare(self) -> DelayMessageDriver:
+        await self.broker.declare_group(TREASURE_TOPIC, TREASURE_GROUP, max_deliveries=3)
+        return self
+
+    async def fire_due(self, now_ms: int) -> list[Fired]:
+        self.clock.now_ms = now_ms
+        calls: list[Fired] = []
+        while got := await self.broker.fetch(
+            TREASURE_TOPIC, TREASURE_GROUP, max_messages=10, wait_s=0, visibility_s=30
+        ):
+            for delivery in got:
+                wakeup = TreasureWakeup.decode(delivery.body)
+                assert wakeup.open_at_ms <= now_ms  # never delivered before its time
+                calls.append((wakeup.app_code, wakeup.room_id, wakeup.box_id, wakeup.level, wakeup.command_id))
+                await self.broker.ack(delivery)
+        return calls
+
+    async def reopen(self) -> DelayMessageDriver:
+        """Another broker object on the same database (a restarted process), on the same clock."""
+        return await DelayMessageDriver(self.db, clock=self.clock, opened=self.opened).declare()
+
+
+class TestDelayMessageScheduler(DurableSchedulerContract):
+    __test__ = True
+
+    @pytest_asyncio.fixture
+    async def driver(self, database: Database) -> AsyncIterator[DelayMessageDriver]:
+        opened: list[EmbeddedBroker] = []
+        yield await DelayMessageDriver(database, opened=opened).declare()
+        for broker in opened:
+            await broker.close()
 
 
 # --------------------------------------------------------------------------- the fake's own controls
