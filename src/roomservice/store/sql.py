@@ -456,10 +456,12 @@ _SQLITE_LANES: Final = 1
 _SQLITE_MAX_BATCH: Final = 256
 # MySQL/MariaDB: a few shared transactions in flight, so one's round trips and COMMIT (its
 # log flush) overlap the next one's statements and the rows being built for the one after.
-# Batches of 16: with 64 callers, 64 a batch put everyone in one transaction and left the
-# other lanes idle (measured: store 0.72x the bare driver at 64, 1.2-1.5x at 16-32).
+# Batches of up to 32 (one guarded UPDATE): with 64 callers, 64 a batch put everyone in one
+# transaction and left the other lanes idle (store 0.72x the bare driver at 64, 1.2-1.5x at
+# 16-32); with a batch's guards in one UPDATE, 4 x 32 took 596-697 us of CPU a command against
+# 748-812 at 4 x 16 and 661-967 at 8 x 8 or 8 x 16 (bench.command_path's service run, interleaved).
 _MYSQL_LANES: Final = 4
-_MYSQL_MAX_BATCH: Final = 16
+_MYSQL_MAX_BATCH: Final = 32
 # MySQL/MariaDB errors after which the server has rolled back (1213: deadlock) or can
 # (1205: lock wait timeout) and the connection still answers: nothing of the batch committed.
 _MYSQL_RETRY_ALONE_CODES: Final = frozenset({1205, 1213})
