@@ -19,12 +19,14 @@ commits, and several processes on one database share the queue.
   retains. An ack deletes the row; groups never share rows, so they never
   steal each other's messages.
 
-Fetching claims rows the way the outbox worker claims its rows (one short write
+Fetching claims rows the way the outbox worker claims its rows (a short write
 transaction, statements built once at import): SQLite runs one ``UPDATE …
 RETURNING`` under ``BEGIN IMMEDIATE`` (one writer at a time, across processes
-too); MySQL/MariaDB a ``SELECT … FOR UPDATE SKIP LOCKED`` then ``UPDATE`` by key
-(READ COMMITTED), so concurrent fetchers skip each other's rows instead of
-waiting. A claim gives each row ``visible_at = now + visibility``, a fresh
+too), and this process's publishes, acks and claims that queue together share
+one such transaction (the groups a publish wakes claim together, right after
+it); MySQL/MariaDB a ``SELECT … FOR UPDATE SKIP LOCKED`` then ``UPDATE`` by key
+(READ COMMITTED), a transaction of its own per claim, so concurrent fetchers
+skip each other's rows instead of waiting. A claim gives each row ``visible_at = now + visibility``, a fresh
 receipt and ``delivery_count + 1``; a row that already had its last delivery
 (the consumer crashed, or never answered) goes to the dead letter in the same
 claim instead. Ack and nack are guarded by the receipt: a delivery that came
