@@ -2,13 +2,23 @@
 
     room-service broker groups [--json]
     room-service broker dead-letters GROUP [--limit N] [--json]
+    room-service broker show GROUP MESSAGE_ID [--json]
     room-service broker replay GROUP MESSAGE_ID... | --all [--json]
 
 A replay sends a dead letter to its group only, with its key (the event id)
 unchanged, so the group's deduplication still applies; it is audited
-(``consumer_replay``, actor ``$USER``) as the console's are. Exit codes: 0 done;
-1 the broker or database did not answer, or some ids were not dead letters
-of the group; 2 bad arguments (unknown group, no ids and no --all).
+(``consumer_replay``, actor ``$USER``) as the console's are. ``show`` prints one
+dead letter in full: the broker's record (delivery count, last error) and its
+body decoded (the outbox envelope, or a treasure wake-up).
+
+``groups`` shows what the broker holds per group (lag, in flight, dead
+letters). What a consumer did (consumed, duplicates skipped, failures,
+redeliveries) is counted in the consuming process's memory and exported on its
+``/metrics`` (``room_consumer_messages_total``, ``room_consumer_redeliveries_total``);
+no store keeps it, so this command, a process of its own, cannot show it.
+
+Exit codes: 0 done; 1 the broker or database did not answer, or some ids were
+not dead letters of the group; 2 bad arguments (unknown group, no ids and no --all).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
 import typer
 
 from roomservice import errors
-from roomservice.admin.dead_letters import DeadLetterAdmin
+from roomservice.admin.dead_letters import DeadLetterAdmin, describe
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.broker import GroupSpec, consumer_groups, open_broker
 from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
@@ -162,6 +172,38 @@ def dead_letters_command(
         typer.echo(f"no dead letters in {group}")
     for r in rows:
         typer.echo(f"{r['message_id']}  {r['tag']}  key={r['key']}  deliveries={r['delivery_count']}  {r['reason']}")
+
+
+@broker_app.command("show")
+def show_command(
+    group: Annotated[str, typer.Argument(metavar="GROUP", help="Consumer group name.")],
+    message_id: Annotated[str, typer.Argument(metavar="MESSAGE_ID", help="A dead letter of the group.")],
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    as_json: JsonOpt = False,
+) -> None:
+    """One dead letter in full: delivery count, last error, and its body decoded."""
+
+    async def work(admin: DeadLetterAdmin) -> dict[str, Any] | None:
+        spec = _group(admin.groups, group)
+        try:
+            return describe(await admin.dead_letter(spec.group, message_id))
+        except errors.NotFound:
+            return None
+
+    shown = _run(config, data_dir, work)
+    if shown is None:
+        _fail(f"not a dead letter of {group}: {message_id}", 1)
+    if as_json:
+        typer.echo(json.dumps(shown, indent=2))
+        return
+    for name, value in shown.items():
+        if isinstance(value, dict):
+            typer.echo(f"{name}:")
+            for inner, item in value.items():
+                typer.echo(f"  {inner}: {json.dumps(item) if isinstance(item, dict | list | tuple) else item}")
+        else:
+            typer.echo(f"{name}: {value}")
 
 
 @broker_app.command("replay")

@@ -5,18 +5,22 @@ The broker port keeps the dead letters per group (:meth:`Broker.dead_letters`,
 around it: only the groups this configuration runs, and an audit row per
 replayed message (action ``consumer_replay``, keyed by the message's key, which
 is the event id), in ``room_outbox_audit`` beside the outbox replays of the
-same event.
+same event. :func:`describe` is one dead letter in full, its body decoded:
+the ``room_outbox_event`` envelope, or a treasure wake-up.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from roomservice import errors
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.broker import GroupSpec
 from roomservice.brokers.port import Broker, DeadLetter, GroupStats
+from roomservice.timers.delay_message import WAKEUP_TAG, TreasureWakeup
+from roomservice.wire import decode_event
 
 MAX_DEAD_LETTERS = 10_000
 
@@ -64,6 +68,14 @@ class DeadLetterAdmin:
             raise errors.InvalidArgument(f"limit must be 1..{MAX_DEAD_LETTERS}")
         return await self.broker.dead_letters(self.group(group).group, limit=limit)
 
+    async def dead_letter(self, group: str, message_id: str) -> DeadLetter:
+        """One dead letter of ``group``; :class:`errors.NotFound` if it is none (the port lists, it has no lookup)."""
+        spec = self.group(group)
+        for letter in await self.broker.dead_letters(spec.group, limit=MAX_DEAD_LETTERS):
+            if letter.message_id == message_id:
+                return letter
+        raise errors.NotFound(f"not a dead letter of {spec.group}: {message_id[:80]!r}")
+
     async def replay(self, group: str, message_ids: Sequence[str] | None, *, actor: str) -> DeadLetterReplay:
         """Replay ``message_ids`` (``None``: every dead letter) to ``group`` only; audit each replayed one."""
         spec = self.group(group)
@@ -83,3 +95,31 @@ class DeadLetterAdmin:
             actor=actor,
         )
         return DeadLetterReplay(spec.group, tuple(done), tuple(missing))
+
+
+def describe(letter: DeadLetter) -> dict[str, Any]:
+    """``letter`` in full for an operator: the broker's record and its body decoded.
+
+    ``last_error`` is the reason the port keeps (the last failed delivery's error, or
+    why it was buried). A body that does not decode (the poison message itself, often)
+    is shown as ``undecodable`` with the decoder's error and the body's size."""
+    out: dict[str, Any] = {
+        "group": letter.group,
+        "topic": letter.topic,
+        "message_id": letter.message_id,
+        "key": letter.key,
+        "tag": letter.tag,
+        "delivery_count": letter.delivery_count,
+        "dead_at_ms": letter.dead_at_ms,
+        "last_error": letter.reason,
+        "headers": dict(letter.headers),
+        "body_size": len(letter.body),
+    }
+    try:
+        if letter.tag == WAKEUP_TAG:
+            out["wakeup"] = asdict(TreasureWakeup.decode(letter.body))
+        else:
+            out["event"] = decode_event(letter.body).to_dict()
+    except Exception as exc:  # any bytes at all: protobuf, KeyError for an unknown type, ValueError
+        out["undecodable"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
