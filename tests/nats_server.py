@@ -1,10 +1,13 @@
 """A NATS JetStream server of the test's own (``nats-server -js`` on a free port, temporary store), to stop and start.
 
-Tests that stop the broker use this, never the shared server on 4222.
+Tests that stop the broker use this, never the shared server on 4222. Tests on the shared server use a stream
+of their own and drop it afterwards (:func:`drop_streams`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -13,8 +16,26 @@ import subprocess
 import time
 from pathlib import Path
 
+import nats
+
 NATS_SERVER = shutil.which("nats-server") or "/usr/sbin/nats-server"
 DEADLINE = 10.0
+SHARED_URL = "nats://127.0.0.1:4222"
+
+
+def drop_streams(stream: str, url: str = SHARED_URL) -> None:
+    """Delete ``stream`` and its dead-letter stream (``<stream>_dlq``), whichever exist (a test's cleanup)."""
+
+    async def drop() -> None:
+        nc = await nats.connect(url)
+        try:
+            for name in (stream, f"{stream}_dlq"):
+                with contextlib.suppress(Exception):
+                    await nc.jetstream().delete_stream(name)
+        finally:
+            await nc.close()
+
+    asyncio.run(drop())
 
 
 def free_port() -> int:

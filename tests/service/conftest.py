@@ -1,14 +1,18 @@
-"""Fixtures for service-level tests: a whole Process on SQLite or MariaDB with a controllable clock."""
+"""Fixtures for service-level tests: a whole Process on SQLite or MariaDB with a controllable clock, and
+the seed's production topology (mq mode, every consumer group) on the embedded broker and on real NATS."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from tests.nats_server import drop_streams
+from tests.service.helpers import TOPOLOGY
 
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.config import DIRECT_TOPOLOGY, Settings, load_settings
@@ -72,3 +76,28 @@ def runtime_factory(database_url: str, tmp_path: Path, clock: Clock, wallet: Fak
 async def runtime(runtime_factory: RuntimeFactory) -> AsyncIterator[Process]:
     async with runtime_factory() as rt:
         yield rt
+
+
+@pytest.fixture(params=["embedded", "nats"])
+def broker_overrides(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """The embedded broker, or the shared NATS under a stream and subject namespace of this test alone."""
+    if request.param == "embedded":
+        yield {"broker.driver": "embedded"}
+        return
+    request.getfixturevalue("require_service")("NATS", "127.0.0.1", 4222)
+    tag = secrets.token_hex(4)
+    stream = f"cg_{tag}"
+    yield {"broker.driver": "nats", "broker.nats.stream": stream, "rocketmq.namespace": f"cg{tag}"}
+    drop_streams(stream)
+
+
+@pytest.fixture
+def topology(database_url: str, tmp_path: Path, broker_overrides: dict[str, Any]) -> Callable[..., Any]:
+    """``topology(**overrides)``: a Process running the seed's production topology (every role, the four
+    consumer groups) on each database and each broker; the overrides go on top."""
+
+    def start(**overrides: Any) -> Any:
+        settings = make_settings(database_url, tmp_path, **{**TOPOLOGY, **broker_overrides, **overrides})
+        return Process.running(settings)
+
+    return start

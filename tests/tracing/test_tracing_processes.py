@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from tests.e2e.server import ServerProcess, write_config
+from tests.nats_server import drop_streams
 from tests.tracing.conftest import new_traceparent
 
 pytestmark = pytest.mark.slow
@@ -54,20 +55,7 @@ def nats_names(require_service: Callable[..., None]) -> Iterator[tuple[str, str]
     tag = secrets.token_hex(4)
     stream = f"trc_{tag}"
     yield stream, f"trc{tag}"
-    import asyncio
-
-    import nats
-
-    async def drop() -> None:
-        nc = await nats.connect("nats://127.0.0.1:4222")
-        try:
-            for name in (stream, f"{stream}_dlq"):
-                with contextlib.suppress(Exception):
-                    await nc.jetstream().delete_stream(name)
-        finally:
-            await nc.close()
-
-    asyncio.run(drop())
+    drop_streams(stream)
 
 
 def read_spans(path: Path) -> list[dict[str, Any]]:
