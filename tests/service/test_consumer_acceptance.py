@@ -20,6 +20,8 @@ from tests.service.helpers import (
     IM_BRIDGE,
     NOTICE,
     OUTBOX_TOPIC,
+    TREASURE_OPEN,
+    count,
     im_types,
     lag_is_zero,
     notices,
@@ -117,8 +119,9 @@ async def test_a_redelivery_after_a_kill_and_a_republished_event_apply_nothing_t
     topology: Callable[..., Any],
 ) -> None:
     # each group is killed right after its effect, before its ack: activity after the leaderboard points of
-    # the gift, notice after the kicked user's C2C notice, the IM bridge after the gift's IM message
-    killed_at = {ACTIVITY: "RoomGiftSent", NOTICE: "RoomUserKicked", IM_BRIDGE: "RoomGiftSent"}
+    # the gift, notice after the kicked user's C2C notice, the IM bridge after the gift's IM message,
+    # treasure-open after the box opened by its wake-up (any of its deliveries: wake-ups are all it gets)
+    killed_at = {ACTIVITY: "RoomGiftSent", NOTICE: "RoomUserKicked", IM_BRIDGE: "RoomGiftSent", TREASURE_OPEN: ""}
     killed: set[str] = set()
     async with topology(**QUICK_SHUTDOWN) as rt:
         await run(rt, "r1", "c1", c.CreateRoom(owner_id="alice", title="dup"))
@@ -129,20 +132,21 @@ async def test_a_redelivery_after_a_kill_and_a_republished_event_apply_nothing_t
 
             async def effect_then_die(real: Handle, d: Delivery, group: str = group, tag: str = tag) -> Outcome:
                 outcome: Outcome = await real(d)
-                if d.tag == tag:
+                if d.tag == tag or not tag:
                     killed.add(group)
                     await asyncio.Event().wait()  # the process dies here: no ack, no nack
                 return outcome
 
             wrap(rt, group, effect_then_die)
-        await run(rt, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="alice", gift_id="rose", count=1))
+        await run(rt, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="alice", gift_id="rocket", count=1))
         await run(rt, "r1", "k1", c.KickUser(operator_id="alice", target_id="carol"))
 
         async def all_killed() -> bool:
             return killed == set(killed_at)
 
         await eventually(all_killed, what="every group applied its effect and hangs before the ack")
-        assert await sent_board(rt, "r1") == [("bob", 10)]  # the effects happened
+        assert await sent_board(rt, "r1") == [("bob", 1000)]  # the effects happened
+        assert (await rt.service.room(APP, "r1"))["treasure"]["level"] == 1
     async with topology(**QUICK_SHUTDOWN) as rt:  # started again: the unacked deliveries come back
         await eventually(lambda: lag_is_zero(rt), deadline_s=30, what="the redeliveries settled")
         assert rt.consumers is not None
@@ -150,17 +154,20 @@ async def test_a_redelivery_after_a_kill_and_a_republished_event_apply_nothing_t
             counts = rt.consumers.runner(group).counts
             assert counts.redelivered >= 1 and counts.duplicates >= 1, (group, counts)
         await eventually(lambda: all_delivered(rt), what="rows delivered")
-        before = {g: rt.consumers.runner(g).counts.duplicates for g in killed_at}
+        outbox_groups = (ACTIVITY, NOTICE, IM_BRIDGE)
+        before = {g: rt.consumers.runner(g).counts.duplicates for g in outbox_groups}
         await republish(rt, await outbox_row(rt, "r1", "RoomGiftSent"))
         await republish(rt, await outbox_row(rt, "r1", "RoomUserKicked"))
         await eventually(lambda: lag_is_zero(rt), deadline_s=30, what="the re-published events settled")
         if rt.broker is not None and rt.broker.name == "nats":  # the copies after the window reached every group
             await eventually(lambda: _seen_again(rt, before), what="each group saw the copies as duplicates")
-        assert await sent_board(rt, "r1") == [("bob", 10)]
+        assert await sent_board(rt, "r1") == [("bob", 1000)]
         assert await notices(rt) == [("carol", "sent")]
         assert rt.sandbox is not None and len(rt.sandbox.state.c2c_messages("carol")) == 1
         types = im_types(rt, "r1")
-        assert (types.count("RoomGiftSent"), types.count("RoomUserKicked")) == (1, 1)
+        assert [types.count(k) for k in ("RoomGiftSent", "RoomUserKicked", "RoomTreasureOpened")] == [1, 1, 1]
+        opened = await count(rt, t.room_command_log, t.room_command_log.c.command_type == "OpenTreasure")
+        assert opened == 1
 
 
 async def _seen_again(rt: Process, before: dict[str, int]) -> bool:
