@@ -233,6 +233,42 @@ async def test_a_poison_message_is_dead_lettered_after_the_limit_and_applied_onc
         assert im_types(rt, "poison").count("RoomGiftSent") == 1  # the replay went to the activity group only
 
 
+async def test_an_undecodable_message_is_dead_lettered_in_each_group_and_holds_up_nothing(
+    topology: Callable[..., Any],
+) -> None:
+    outbox_groups = (ACTIVITY, NOTICE, IM_BRIDGE)
+    async with topology(**{"rocketmq.room_outbox.consumer_max_reconsume_times": 2}) as rt:  # 3 deliveries
+        retry_quickly(rt)
+        assert rt.broker is not None
+        await run(rt, "r1", "c1", c.CreateRoom(owner_id="alice", title="garbage"))
+        await run(rt, "r1", "c2", c.JoinRoom(user_id="bob"))
+        await eventually(lambda: lag_is_zero(rt), deadline_s=30, what="the room's first events consumed")
+        garbage = OutgoingMessage(
+            topic=OUTBOX_TOPIC,
+            body=b"\xff not an envelope",
+            key="garbage-1",
+            tag="RoomGiftSent",
+            sharding_key=f"{APP}:r1",
+        )
+        with capture_logs() as logs:
+            await rt.broker.publish(garbage, timeout_s=5)
+            await run(rt, "r1", "g1", c.SendGift(sender_id="bob", receiver_id="alice", gift_id="rose", count=1))
+
+            async def dead_lettered_everywhere() -> bool:
+                return [await dead_letters(rt, g) for g in outbox_groups] == [1, 1, 1] and await lag_is_zero(rt)
+
+            await eventually(dead_lettered_everywhere, deadline_s=30, what="the garbage in each group's dead letter")
+        failed = [e for e in logs if e["event"] == "consumer_delivery_failed"]
+        for group in outbox_groups:  # one line per delivery, the last one saying it went to the dead letter
+            lines = [(e["key"], e["delivery_count"], e["dead_letter"]) for e in failed if e["group"] == group]
+            assert lines == [("garbage-1", 1, False), ("garbage-1", 2, False), ("garbage-1", 3, True)], group
+        assert len(failed) == 9  # nothing else failed
+        assert await sent_board(rt, "r1") == [("bob", 10)]  # the room's next event went through every group
+        assert im_types(rt, "r1").count("RoomGiftSent") == 1
+        (letter,) = await dead_letter_admin(rt).dead_letters(IM_BRIDGE)
+        assert (letter.key, letter.delivery_count) == ("garbage-1", 3) and letter.reason
+
+
 async def test_im_down_commands_succeed_the_bridge_retries_and_what_outlasts_the_horizon_is_replayable(
     topology: Callable[..., Any],
 ) -> None:
