@@ -49,7 +49,7 @@ from roomservice import errors, wire
 from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
-from roomservice.store.database import Database, execute_rendered
+from roomservice.store.database import Database, execute_rendered, insert_rendered
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
     CommandIdTaken,
@@ -532,9 +532,9 @@ def _save_mutations_together(
         commands = [units[i][3] for i in order if outcomes[i] is None]
         outbox = [row for i in order if outcomes[i] is None for row in units[i][4]]
         if commands:
-            conn.execute(_INSERT_COMMAND, commands)
+            insert_rendered(conn, _INSERT_COMMAND, commands)
         if outbox:
-            conn.execute(_INSERT_OUTBOX, outbox)
+            insert_rendered(conn, _INSERT_OUTBOX, outbox)
     except IntegrityError as exc:
         raise _RetryAlone("a row of the shared INSERT clashed") from exc
     except OperationalError as exc:
