@@ -12,9 +12,11 @@ Prints, per broker (database: SQLite; ``--backend mariadb`` for MariaDB):
     ``notice_delivery_events.sent_at_ms``. Beside them: commit -> broker-acknowledged
     (``delivered_at_ms``), the outbox relay's share.
   * consumer throughput per group beside a raw baseline, in the same run: N real encoded events
-    (``encode_event``; half gifts, the rest joins/leaves) published to the topic through the broker
-    adapter, then one group alone (a ConsumerRuntime with the activity handler; then one with a
-    no-op handler: the runtime's own floor) timed from its start until its lag is 0. The raw
+    (``encode_event``; half gifts, one in twenty a kick, the rest joins/leaves) published to the topic
+    through the broker adapter, then each group alone (a ConsumerRuntime with the handler ``serve``
+    builds for it: activity, notice, IM bridge against the in-process IM sandbox with its rate limit
+    lifted; then one with a no-op handler: the runtime's own floor) timed from its start until its
+    lag is 0. The raw
     baseline (NATS only): a bare nats-py pull-subscribe loop (durable consumer, fetch a batch,
     ack each, no handler work) over the same N messages, once with ``msg.ack()`` and once with
     ``msg.ack_sync()`` (the adapter's confirmed ack) gathered per batch.
@@ -37,7 +39,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +48,14 @@ import sqlalchemy as sa
 from nats.js import api
 
 from bench.common import fresh_database, percentile
-from roomservice.activity.store import ActivityStore
 from roomservice.bootstrap import API, CONSUMERS, OUTBOX, Process
-from roomservice.bootstrap.broker import open_broker
 from roomservice.brokers.port import Broker, Delivery, OutgoingMessage
-from roomservice.clock import wall_clock_ms
 from roomservice.config import Settings, load_settings
-from roomservice.consumers.activity import ActivityHandler
 from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Handler, Outcome
 from roomservice.domain import commands as c
 from roomservice.domain import events as e
 from roomservice.observability.logging import configure_logging
 from roomservice.store import tables as t
-from roomservice.store.database import Database
-from roomservice.store.migrate import upgrade
 from roomservice.wire import encode_event
 
 NATS_URL = os.environ.get("ROOMSERVICE_BENCH_NATS_URL", "nats://127.0.0.1:4222")
@@ -234,8 +230,19 @@ async def commit_to_effect(driver: str, backend: str, *, rate: int, seconds: flo
 # --------------------------------------------------------------------------- 2. throughput
 
 
+BENCH_ROOMS = 1_000
+
+
+def bench_room(i: int) -> str:
+    return f"room_{100_000 + i % BENCH_ROOMS}"
+
+
+def owner(i: int) -> str:
+    return f"owner_{i % BENCH_ROOMS}"
+
+
 def bench_event(i: int, at_ms: int) -> e.Event:
-    room = f"room_{100_000 + i % 1_000}"
+    room = bench_room(i)
     user = f"user_{10_000_000 + i}"
     payload: e.EventPayload
     if i % 2 == 0:
@@ -245,6 +252,9 @@ def bench_event(i: int, at_ms: int) -> e.Event:
         )  # fmt: skip
     elif i % 4 == 1:
         payload = e.RoomUserJoined(user_id=user, role="audience")
+    elif i % 20 == 3:  # one event in twenty is a kick: the notice group's work (a row, then a C2C send)
+        until = at_ms + 600_000
+        payload = e.RoomUserKicked(operator_id=owner(i), target_id=user, ban_seconds=600, banned_until_ms=until)
     else:
         payload = e.RoomUserLeft(user_id=user)
     return e.Event(uuid.uuid4().hex, APP, room, i // 1_000 + 2, at_ms, payload)
@@ -346,34 +356,45 @@ async def raw_pull(stream: str, subject: str, n: int, batch: int, *, sync_ack: b
         await nc.close()
 
 
+# The groups the throughput run times one at a time, in this order, then the runtime's own floor.
+TIMED_GROUPS = (ACTIVITY, NOTICE, IM_BRIDGE)
+# The throughput run lifts the IM client's rate limit (200/s by default, Tencent's quota, shared by the
+# bridge's sends and the notice group's C2C): it times the groups' own work, not the quota.
+UNLIMITED_IM = {"tencent_im.rate_limit_per_second": 1_000_000}
+
+
 async def throughput(driver: str, backend: str, *, n: int, raw_batch: int) -> dict[str, Any]:
+    """Each group alone over the same ``n`` published messages, with the handler ``serve`` builds for
+    it (the notice and IM-bridge groups talk to the in-process IM sandbox), then a no-op handler."""
     results: dict[str, float] = {}
     async with fresh_database(backend) as url, broker_overrides(driver) as overrides:
         with tempfile.TemporaryDirectory() as data_dir:
-            settings = bench_settings(url, data_dir, overrides)
-        db = Database.from_url(url)
-        try:
-            await upgrade(db)
-            async with AsyncExitStack() as stack:
-                broker = await open_broker(settings, db=db, clock=wall_clock_ms, stack=stack)
+            settings = bench_settings(url, data_dir, {**overrides, **UNLIMITED_IM})
+            # built as serve builds them, none of its loops started: each group runs alone below
+            async with Process.running(settings, roles={CONSUMERS}, loops=False) as rt:
+                broker, runtime = rt.broker, rt.consumers
+                assert broker is not None and runtime is not None
                 topic = settings.rocketmq.room_outbox.topic
                 max_deliveries = 1 + settings.rocketmq.room_outbox.consumer_max_reconsume_times
-                activity = ActivityHandler(ActivityStore(db, clock=wall_clock_ms), group=ACTIVITY, topic=topic)
-                noop = NoopHandler("bench-noop", topic)
-                for handler in (activity, noop):  # declared first: each sees every message
+                im = rt.im
+                assert im is not None and im.sandbox is not None
+                im.sandbox.state.set_rate_limit(None)  # the sandbox's own emulation of the quota, lifted too
+                for i in range(BENCH_ROOMS):  # the rooms' IM groups, as their CreateRoom made them
+                    await im.publisher.ensure_group(app_code=APP, room_id=bench_room(i), owner_id=owner(i), title="b")
+                handlers: list[Handler] = [runtime.runner(group).handler for group in TIMED_GROUPS]
+                handlers.append(NoopHandler("bench-noop", topic))
+                for handler in handlers:  # declared first: each sees every message
                     await broker.declare_group(topic, handler.group, max_deliveries=max_deliveries)
                 started = time.perf_counter()
                 size = await publish_events(broker, topic, n)
                 results["publish"] = n / (time.perf_counter() - started)
-                for handler in (activity, noop):
+                for handler in handlers:
                     results[handler.group] = n / await time_group(broker, handler, n, max_deliveries)
                 if driver == "nats":
                     stream = str(overrides["broker.nats.stream"])
                     subject = f"{overrides['rocketmq.namespace']}.{topic}"
                     results["raw ack"] = n / await raw_pull(stream, subject, n, raw_batch, sync_ack=False)
                     results["raw ack_sync"] = n / await raw_pull(stream, subject, n, raw_batch, sync_ack=True)
-        finally:
-            await db.dispose()
     return {"rates": results, "size": size}
 
 
@@ -423,7 +444,7 @@ async def run(args: argparse.Namespace) -> None:
             rates = tp["rates"]
             raw = rates.get("raw ack")
             parts = [f"publish {rates['publish']:.0f}/s"]
-            for name in (ACTIVITY, "bench-noop", "raw ack", "raw ack_sync"):
+            for name in (*TIMED_GROUPS, "bench-noop", "raw ack", "raw ack_sync"):
                 if name in rates:
                     ratio = f" ({rates[name] / raw:.2f}x raw ack)" if raw and not name.startswith("raw ack") else ""
                     parts.append(f"{name} {rates[name]:.0f} msgs/s{ratio}")
