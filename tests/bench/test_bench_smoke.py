@@ -76,6 +76,9 @@ def test_consumers_runs_on_the_embedded_broker() -> None:
     out = run_bench("bench.consumers", "--brokers", "embedded", "--rate", "50", "--seconds", "1",
                     "--messages", "200")
     assert "activity" in out
+    throughput = next(line for line in out.splitlines() if "throughput over 200 messages" in line)
+    for group in ("activity-room-outbox", "notice-room-outbox", "room-im-bridge", "bench-noop"):
+        assert f"{group} " in throughput and "msgs/s" in throughput, throughput
 
 
 @pytest.mark.parametrize("backends", [("sqlite",), ("sqlite", "mariadb")])
