@@ -19,6 +19,7 @@ from structlog.contextvars import bound_contextvars
 from structlog.testing import capture_logs
 
 from roomservice.observability import logging as logs
+from roomservice.observability import timing
 from roomservice.observability.timing import CommandTiming
 
 
@@ -33,6 +34,9 @@ def configured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
         logs.configure_logging(level="info", json=True, file=stream)
         # no logger of another test may keep this file: nothing is cached on first use here
         structlog.configure(cache_logger_on_first_use=False)
+        # the timing module's logger, cached on its first use by an earlier test, would still write
+        # through that test's chain: a fresh one here, as a fresh process has
+        monkeypatch.setattr(timing, "_log", logs.get_logger("roomservice.command"))
         try:
             yield path
         finally:
@@ -117,6 +121,7 @@ def test_an_info_line_under_level_warning_is_not_written(tmp_path: Path, monkeyp
         with path.open("w") as stream:
             logs.configure_logging(level="warning", json=True, file=stream)
             structlog.configure(cache_logger_on_first_use=False)
+            monkeypatch.setattr(timing, "_log", logs.get_logger("roomservice.command"))  # as above
             assert logs.write_info_line("e", {"a": 1})
             _timing().emit()
     finally:
