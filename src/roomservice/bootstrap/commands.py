@@ -93,6 +93,7 @@ def _evict_on_lost(registry: CellRegistry) -> Callable[[str, str], None]:
 async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Commands:
     settings = core.settings
     store = SqlRoomStore(core.db)
+    store.render_ahead()  # before the first command, not during the first seconds of them
     scale_out = settings.lease.driver == "redis"
     # a Redis lease's address is set once the room API is bound (Process), before any lease is taken
     leases: LeaseManager = (

@@ -67,7 +67,7 @@ import asyncio
 import math
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -75,7 +75,7 @@ from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import mysql, sqlite
-from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.engine import URL, Connection, Dialect, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -205,6 +205,16 @@ class Database:
     @property
     def is_sqlite(self) -> bool:
         return self.dialect_name == "sqlite"
+
+    def render_ahead(self, statements: Iterable[Any]) -> None:
+        """Render ``statements`` for :func:`execute_rendered` now, for the dialect this database's units
+        run on, instead of on their first execution. Rendering a big statement costs milliseconds of
+        CPU with the GIL held (in the writer thread, so the event loop stalls with it): a server
+        that would otherwise render the 32 shapes of the store's guarded UPDATE during its first
+        seconds of commands pays ~160 ms of CPU there instead (issue 12)."""
+        dialect = (self._sync_engine or self.engine.sync_engine).dialect
+        for statement in statements:
+            _rendered_for(dialect, statement, None)
 
     # ------------------------------------------------------------------ blocks
 
@@ -615,7 +625,10 @@ _RENDERED: dict[tuple[str, str, int, tuple[str, ...] | None], tuple[str, tuple[s
 
 def _rendered(conn: Connection, statement: Any, column_keys: tuple[str, ...] | None) -> tuple[str, tuple[str, ...]]:
     """``statement``'s SQL for ``conn``'s dialect and the parameter names in their positions."""
-    dialect = conn.dialect
+    return _rendered_for(conn.dialect, statement, column_keys)
+
+
+def _rendered_for(dialect: Dialect, statement: Any, column_keys: tuple[str, ...] | None) -> tuple[str, tuple[str, ...]]:
     key = (dialect.name, dialect.paramstyle, id(statement), column_keys)
     rendered = _RENDERED.get(key)
     if rendered is None:

@@ -258,6 +258,12 @@ class SqlRoomStore:
         self.retried_alone = 0  # batches rolled back and retried one mutation at a time
         self.guards_redone = 0  # batches rolled back for a failed guard and redone a guard a statement
 
+    def render_ahead(self) -> None:
+        """Render every shape of the shared transaction's guarded UPDATE (one per room count, 1 to
+        ``_MAX_ROOMS_AN_UPDATE``) now: a server calls it at start-up, so that its first commands do
+        not pay for it (see :meth:`Database.render_ahead`)."""
+        self.db.render_ahead(_guarded_updates(rooms) for rooms in range(1, _MAX_ROOMS_AN_UPDATE + 1))
+
     async def find_command(self, app_code: str, room_id: str, command_id: str) -> LoggedCommand | None:
         params = {"app_code": app_code, "room_id": room_id, "command_id": command_id}
         row = await self.db.run_read(_first_row, _FIND_COMMAND, params)
