@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from structlog.contextvars import bound_contextvars
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from roomservice import errors
 from roomservice.brokers.port import Broker, Delivery
@@ -222,9 +222,14 @@ class GroupRunner:
     async def _handle(self, delivery: Delivery, *, after: asyncio.Task[None] | None = None) -> None:
         if after is not None:  # the same key's previous delivery goes first (its outcome does not matter here)
             await asyncio.wait([after])
-        # every line a handler logs names the group and the event (the key is the event_id)
-        with bound_contextvars(consumer_group=self.group, event_id=delivery.key):
+        # every line a handler logs names the group and the event (the key is the event_id); bind and
+        # reset directly, as RoomService.execute does: bound_contextvars also reads the whole context
+        # first (a generator context manager per delivery, ~1.5 % of the embedded default's samples)
+        tokens = bind_contextvars(consumer_group=self.group, event_id=delivery.key)
+        try:
             await self._handle_bound(delivery)
+        finally:
+            reset_contextvars(**tokens)
 
     async def _handle_bound(self, delivery: Delivery) -> None:
         group = self.group
