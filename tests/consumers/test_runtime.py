@@ -384,3 +384,21 @@ async def test_acks_trickling_in_wait_for_the_others_under_way_on_a_broker_whose
     await until(lambda: _lag(broker, 0))
     await runtime.shutdown(grace_s=1)
     await broker.close()
+
+
+async def test_an_ack_is_not_held_back_for_deliveries_waiting_behind_it_for_their_key() -> None:
+    """ordered_by_key: a room's later deliveries wait for its earlier one to settle, so they cannot ack
+    before it; holding its ack back for them would cost every delivery of the room the whole linger."""
+    broker = SharedAcks()
+    runtime = ConsumerRuntime(
+        broker, [(Recorder(), options(concurrency=4, batch_size=4, ack_linger_s=30, ordered_by_key=True))]
+    )
+    for key in ("e0", "e1", "e2"):
+        message = OutgoingMessage(topic=TOPIC, body=b"x", key=key, sharding_key="one-room")
+        await broker.publish(message, timeout_s=1)
+    runtime.start()
+    await until(lambda: broker.fetches[:1] == [(4, 3)])  # the three in one fetch: two wait behind the first
+    await until(lambda: broker.acked == ["e0", "e1", "e2"])  # each at once, in the room's order
+    await until(lambda: _lag(broker, 0))
+    await runtime.shutdown(grace_s=1)
+    await broker.close()

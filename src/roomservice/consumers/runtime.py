@@ -109,13 +109,16 @@ class GroupRunner:
         self._stopping = asyncio.Event()
         self._slots = asyncio.Semaphore(options.concurrency)
         self._handling = 0  # slots held by deliveries (fetched, not settled yet)
+        # deliveries being handled: fetched and not waiting for their key's previous one to settle
+        # (ordered_by_key); only those can ack soon, so only those are worth holding an ack back for
+        self._running = 0
         self._freed = asyncio.Event()  # a delivery let its slot go
         self._refill_at = max(1, min(options.batch_size, options.concurrency) // 2)
         ack_nowait = getattr(broker, "ack_nowait", None)  # queued at once, without a task per ack
         self._ack = HeldBack(
             ack_nowait or broker.ack,
             linger_s=options.ack_linger_s if ack_nowait is not None else 0.0,
-            expected=lambda: self._handling,
+            expected=lambda: self._running,
         )
         self._in_flight: set[asyncio.Task[None]] = set()
         self._last_of_key: dict[str, asyncio.Task[None]] = {}
@@ -237,6 +240,7 @@ class GroupRunner:
         if delivery.delivery_count > 1:
             self.counts.redelivered += 1
             self._redeliveries.inc()
+        self._running += 1
         try:
             try:
                 if tracing.ENABLED:  # continues the trace context of the message's headers
@@ -279,6 +283,7 @@ class GroupRunner:
             await self._settle(delivery, nack_delay_s=None, reason="")
         finally:
             self._handle_seconds.observe(time.perf_counter() - started)
+            self._running -= 1
             self._handling -= 1
             self._slots.release()
             self._freed.set()
