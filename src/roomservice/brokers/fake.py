@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from roomservice.brokers.port import (
@@ -16,6 +16,7 @@ from roomservice.brokers.port import (
     GroupStats,
     OutgoingMessage,
 )
+from roomservice.clock import wall_clock_ms
 
 
 @dataclass(slots=True)
@@ -28,7 +29,7 @@ class _Message:
 @dataclass(slots=True)
 class _Entry:
     message: _Message
-    visible_at: float  # time.monotonic()
+    visible_at: float  # time.monotonic(): visibility and delays are durations
     deliveries: int = 0
     receipt: int = 0  # the current delivery's receipt; an ack with an older one is stale
 
@@ -46,7 +47,8 @@ class FakeBroker:
 
     name = "fake"
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], int] = wall_clock_ms) -> None:
+        self._clock = clock  # the wall clock of published_at_ms, dead_at_ms and deliver_at_ms
         self.down = False  # publish/fetch raise BrokerUnavailable while set
         self.hang = False  # publish never answers while set (a broker that accepted the connection and went quiet)
         self.published: list[OutgoingMessage] = []  # every accepted publish, duplicates dropped
@@ -67,13 +69,13 @@ class FakeBroker:
             await asyncio.Event().wait()
         if (message.topic, message.key) in self._keys:
             return next(m.message_id for m in self._messages[message.topic] if m.message.key == message.key)
-        stored = _Message(str(next(self._ids)), message, int(time.time() * 1000))
+        stored = _Message(str(next(self._ids)), message, self._clock())
         self._keys.add((message.topic, message.key))
         self._messages.setdefault(message.topic, []).append(stored)
         self.published.append(message)
         for group in self._groups.values():
             if group.topic == message.topic:
-                group.entries[stored.message_id] = _Entry(stored, _visible_at(message))
+                group.entries[stored.message_id] = _Entry(stored, self._visible_at(message))
         self._arrived.set()
         return stored.message_id
 
@@ -84,7 +86,7 @@ class FakeBroker:
             return
         g = self._groups[group] = _Group(topic, max_deliveries)
         for stored in self._messages.get(topic, []):
-            g.entries[stored.message_id] = _Entry(stored, _visible_at(stored.message))
+            g.entries[stored.message_id] = _Entry(stored, self._visible_at(stored.message))
 
     async def fetch(
         self, topic: str, group: str, *, max_messages: int, wait_s: float, visibility_s: float
@@ -168,7 +170,7 @@ class FakeBroker:
             body=m.message.body,
             headers=dict(m.message.headers),
             delivery_count=entry.deliveries,
-            dead_at_ms=int(time.time() * 1000),
+            dead_at_ms=self._clock(),
             reason=reason,
         )
 
@@ -202,8 +204,8 @@ class FakeBroker:
     async def close(self) -> None:
         return None
 
-
-def _visible_at(message: OutgoingMessage) -> float:
-    if message.deliver_at_ms is None:
-        return 0.0
-    return time.monotonic() + max(0.0, message.deliver_at_ms / 1000 - time.time())
+    def _visible_at(self, message: OutgoingMessage) -> float:
+        """When ``message`` becomes visible, on the monotonic clock: at once, or at its ``deliver_at_ms``."""
+        if message.deliver_at_ms is None:
+            return 0.0
+        return time.monotonic() + max(0.0, (message.deliver_at_ms - self._clock()) / 1000)
