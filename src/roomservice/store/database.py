@@ -399,9 +399,11 @@ class Database:
             raise
 
     def insert_ignoring_duplicates(self, table: Table) -> Insert:
-        """``INSERT`` that silently skips a row whose primary or unique key already exists.
+        """``INSERT`` that silently skips a row whose primary or unique key already exists, and
+        nothing else: any other error (a NULL, a value too long) still raises.
 
-        Its rowcount says nothing on MySQL (a skipped row counts as found).
+        Its rowcount says nothing on MySQL (a skipped row counts as found). Not the same as
+        :func:`insert_or_ignore`, whose ``IGNORE`` also skips or adjusts rows for other errors.
         """
         if self.dialect_name == "sqlite":
             return sqlite.insert(table).on_conflict_do_nothing()
@@ -661,7 +663,9 @@ def insert_or_ignore(table: Table) -> Insert:
     """``INSERT`` that skips a duplicate key and says so: rowcount 1 when inserted, 0 when
     ignored (``INSERT OR IGNORE`` / ``INSERT IGNORE``). Unlike
     :meth:`Database.insert_ignoring_duplicates` it can be built without a database, and
-    its rowcount can be trusted on MySQL too."""
+    its rowcount can be trusted on MySQL too; but ``IGNORE`` is not only about duplicates
+    (SQLite skips a NOT NULL or CHECK violation too, MySQL downgrades other errors to
+    warnings), so it is for rows whose values the caller has checked."""
     return table.insert().prefix_with("OR IGNORE", dialect="sqlite").prefix_with("IGNORE", dialect="mysql")
 
 
