@@ -233,10 +233,10 @@ async def ours_drain(
 
                     repo.finish = counting_finish  # type: ignore[method-assign]
                     repo.finish_and_claim = counting_finish_and_claim  # type: ignore[method-assign]
-                    started = time.perf_counter()
+                    started, cpu_started = time.perf_counter(), time.process_time()
                     start_outbox_worker(rt.core, worker)
                     await asyncio.wait_for(all_done.wait(), timeout=DRAIN_TIMEOUT_S)
-                    elapsed = time.perf_counter() - started
+                    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
                     options = worker.options
             statuses = await outbox_statuses(url)
             stored = await stream_messages(names.stream)
@@ -250,6 +250,7 @@ async def ours_drain(
         "batch": options.batch_size,
         "concurrency": options.publish_concurrency,
         "payload": payload,
+        "cpu_us": cpu / rows * 1e6,
     }
 
 
@@ -305,14 +306,14 @@ async def raw_drain(backend: str, rows: int, batch: int, concurrency: int, rooms
         try:
             owner = f"raw-{uuid.uuid4().hex[:12]}"
             finished = 0
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             while finished < rows:
                 claimed = await store.claim(owner, time.time_ns() // 1_000_000, batch)
                 if not claimed:
                     raise AssertionError(f"raw: nothing left to claim after {finished} of {rows} rows")
                 await publisher.publish_all(claimed)
                 finished += await store.finish(owner, time.time_ns() // 1_000_000, [r[0] for r in claimed])
-            elapsed = time.perf_counter() - started
+            elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
             await store.close()
             statuses = await outbox_statuses(url)
             stored = await stream_messages(names.stream)
@@ -321,7 +322,7 @@ async def raw_drain(backend: str, rows: int, batch: int, concurrency: int, rooms
             await delete_stream(names.stream)
     if statuses != {"delivered": rows} or stored != rows:
         raise AssertionError(f"raw: statuses {statuses}, {stored} messages in the stream, expected {rows}")
-    return {"rate": rows / elapsed, "seconds": elapsed, "payload": payload}
+    return {"rate": rows / elapsed, "seconds": elapsed, "payload": payload, "cpu_us": cpu / rows * 1e6}
 
 
 async def raw_cycle(backend: str, cycles: int) -> list[float]:
@@ -432,7 +433,9 @@ async def run(args: argparse.Namespace) -> None:
             print(
                 f"[{backend}] round {round_}: mq drain {ours['rate']:7.0f} events/s ({ours['seconds']:.2f} s)   "
                 f"raw claim+js.publish+finish {raw['rate']:7.0f} events/s ({raw['seconds']:.2f} s)   "
-                f"ratio {ratio:.2f}x (target >= 0.80)   [{args.rows} rows, batch {ours['batch']:.0f}, "
+                f"ratio {ratio:.2f}x (target >= 0.80)   "
+                f"process CPU {ours['cpu_us']:.0f} / {raw['cpu_us']:.0f} us a row   "
+                f"[{args.rows} rows, batch {ours['batch']:.0f}, "
                 f"publish concurrency {ours['concurrency']:.0f}, payload {ours['payload']:.0f} B, "
                 f"{args.drain_rooms} rooms]",
                 flush=True,

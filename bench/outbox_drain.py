@@ -81,11 +81,25 @@ def _spawn(args: list[str]) -> subprocess.Popen[str]:
     return proc
 
 
-async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]], started: float) -> float:
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def timed_drain(
+    url: str, rows: int, procs: list[subprocess.Popen[str]], started: float
+) -> tuple[float, float]:
+    """(events/s from the first spawn until every row is delivered, the processes' CPU µs per row after
+    they said ready: start-up left out, which noise on a shared machine disturbs less than the rate)."""
+    cpu_at_ready = sum(process_cpu_s(p.pid) for p in procs)
     try:
         while await delivered_count(url) < rows:
             await asyncio.sleep(0.05)
-        return rows / (time.perf_counter() - started)
+        rate = rows / (time.perf_counter() - started)
+        cpu = sum(process_cpu_s(p.pid) for p in procs) - cpu_at_ready
+        return rate, cpu / rows * 1e6
     finally:
         for proc in procs:
             proc.terminate()
@@ -93,7 +107,7 @@ async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]], s
             proc.wait(timeout=60)
 
 
-async def worker_drain(backend: str, workers: int, rows: int) -> float:
+async def worker_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:
     async with fresh_database(backend) as url:
         await seed(url, rows)
         started = time.perf_counter()
@@ -105,7 +119,7 @@ async def worker_drain(backend: str, workers: int, rows: int) -> float:
         return await timed_drain(url, rows, procs, started)
 
 
-async def raw_drain(backend: str, workers: int, rows: int) -> float:
+async def raw_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:
     async with fresh_database(backend) as url:
         await seed(url, rows)
         started = time.perf_counter()
@@ -203,11 +217,11 @@ async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: 
               idle_s: float, rooms: int = 50) -> None:
     for backend in backends:
         for workers in workers_list:
-            worker_rate = await worker_drain(backend, workers, rows)
-            raw_rate = await raw_drain(backend, workers, rows)
+            worker_rate, worker_cpu = await worker_drain(backend, workers, rows)
+            raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
             print(f"[{backend}] {workers} worker(s): {worker_rate:7.0f} events/s   raw claim+finish: "
-                  f"{raw_rate:7.0f} events/s (bare driver)   ratio {worker_rate / raw_rate:.2f}x (target >= 0.90)",
-                  flush=True)
+                  f"{raw_rate:7.0f} events/s (bare driver)   ratio {worker_rate / raw_rate:.2f}x (target >= 0.90)   "
+                  f"CPU after ready {worker_cpu:.1f} / {raw_cpu:.1f} us a row", flush=True)
         lat = await commit_to_delivered(backend, rate=rate, seconds=seconds, rooms=rooms)
         async with fresh_database(backend) as url:
             await seed(url, 200)

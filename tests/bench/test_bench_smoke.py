@@ -52,7 +52,7 @@ def test_command_path_sweep_draws_the_plot(tmp_path: Path) -> None:
 def test_outbox_drain_runs() -> None:
     out = run_bench("bench.outbox_drain", "--backend", "sqlite", "--rows", "300", "--workers", "1",
                     "--rate", "50", "--seconds", "1", "--idle-seconds", "0")
-    assert "(bare driver)" in out and "bare claim+finish cycle" in out
+    assert "(bare driver)" in out and "bare claim+finish cycle" in out and "us a row" in out
 
 
 def test_http_commands_runs() -> None:
@@ -69,7 +69,7 @@ def test_mq_drain_runs(require_service) -> None:  # type: ignore[no-untyped-def]
     require_service("NATS", "127.0.0.1", 4222, hint="nats-server -js")
     out = run_bench("bench.mq_drain", "--backend", "sqlite", "--rows", "300", "--rounds", "1", "--rate", "50",
                     "--seconds", "1")
-    assert "ratio" in out and "bare cycle" in out
+    assert "ratio" in out and "bare cycle" in out and "us a row" in out
 
 
 def test_consumers_runs_on_the_embedded_broker() -> None:
