@@ -70,6 +70,14 @@ def test_mq_drain_runs(require_service) -> None:  # type: ignore[no-untyped-def]
     out = run_bench("bench.mq_drain", "--backend", "sqlite", "--rows", "300", "--rounds", "1", "--rate", "50",
                     "--seconds", "1")
     assert "ratio" in out and "bare cycle" in out and "us a row" in out
+    assert "over 50/50 events" in out  # the perf_counter timeline joined every command to its row's finish
+    assert "finish transaction" in out and "created_at_ms -> delivered_at_ms" in out
+
+
+def test_group_commit_latency_times_every_event_from_its_commit() -> None:
+    out = run_bench("bench.group_commit", "--latency", "--backend", "sqlite", "--rate", "50", "--seconds", "1")
+    assert "from the command's commit notification" in out and "over 50/50 events" in out
+    assert "published -> finish starts" in out and "created_at_ms -> delivered_at_ms" in out
 
 
 def test_consumers_runs_on_the_embedded_broker() -> None:
