@@ -4,7 +4,9 @@ Prints, for SQLite and MariaDB:
   * drain rate (events/s) of 1, 2 and 4 worker processes with an instantly-accepting
     publisher, beside the bare-driver baseline in the same run: the worker's claim and
     guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
-    loops in the same number of processes;
+    loops in the same number of processes; every process starts up first, then all start
+    draining at one instant (SIGUSR1), and the time runs from that instant to the last
+    delivered row; beside each rate, the processes' CPU per row over the drain;
   * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms (--rooms) with poll_interval 1s
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,17 +91,19 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def timed_drain(
-    url: str, rows: int, procs: list[subprocess.Popen[str]], started: float
-) -> tuple[float, float]:
-    """(events/s from the first spawn until every row is delivered, the processes' CPU µs per row after
-    they said ready: start-up left out, which noise on a shared machine disturbs less than the rate)."""
-    cpu_at_ready = sum(process_cpu_s(p.pid) for p in procs)
+async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]]) -> tuple[float, float]:
+    """Start every process at one instant (SIGUSR1: each has started up and said ready, none has
+    claimed yet) and time until every row is delivered. Returns (events/s, the processes' CPU µs per
+    row over the drain, which noise on a shared machine disturbs less than the rate)."""
+    cpu_before = sum(process_cpu_s(p.pid) for p in procs)
+    started = time.perf_counter()
+    for proc in procs:
+        proc.send_signal(signal.SIGUSR1)
     try:
         while await delivered_count(url) < rows:
             await asyncio.sleep(0.05)
         rate = rows / (time.perf_counter() - started)
-        cpu = sum(process_cpu_s(p.pid) for p in procs) - cpu_at_ready
+        cpu = sum(process_cpu_s(p.pid) for p in procs) - cpu_before
         return rate, cpu / rows * 1e6
     finally:
         for proc in procs:
@@ -110,29 +115,30 @@ async def timed_drain(
 async def worker_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:
     async with fresh_database(backend) as url:
         await seed(url, rows)
-        started = time.perf_counter()
         procs = [
             _spawn([sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", f"w{i}",
-                    "--batch", str(BATCH), "--concurrency", str(BATCH)])
+                    "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1"])
             for i in range(workers)
         ]
-        return await timed_drain(url, rows, procs, started)
+        return await timed_drain(url, rows, procs)
 
 
 async def raw_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:
     async with fresh_database(backend) as url:
         await seed(url, rows)
-        started = time.perf_counter()
         procs = [_spawn([sys.executable, "-m", "bench.outbox_drain", "--raw-loop", url, f"raw{i}"])
                  for i in range(workers)]
-        return await timed_drain(url, rows, procs, started)
+        return await timed_drain(url, rows, procs)
 
 
 async def raw_loop(url: str, owner: str) -> None:
     """The baseline process: the bare driver (sqlite3 / asyncmy, bench.bare) claims a batch with the
     worker's claim statement and finishes it as delivered with the worker's guarded finish, nothing else."""
     store = await open_raw(url)
+    go = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, go.set)
     print("ready", flush=True)
+    await go.wait()  # started together with the other processes, as the workers are
     while True:
         now = time.time_ns() // 1_000_000
         rows = await store.claim(owner, now, BATCH)
@@ -221,7 +227,7 @@ async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: 
             raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
             print(f"[{backend}] {workers} worker(s): {worker_rate:7.0f} events/s   raw claim+finish: "
                   f"{raw_rate:7.0f} events/s (bare driver)   ratio {worker_rate / raw_rate:.2f}x (target >= 0.90)   "
-                  f"CPU after ready {worker_cpu:.1f} / {raw_cpu:.1f} us a row", flush=True)
+                  f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row", flush=True)
         lat = await commit_to_delivered(backend, rate=rate, seconds=seconds, rooms=rooms)
         async with fresh_database(backend) as url:
             await seed(url, 200)
