@@ -1,5 +1,6 @@
-"""A short batch's finish waits briefly for the next commit and claims it in the same transaction
-(issue 12: one write a batch at moderate rates on the writer the commands share)."""
+"""A short batch's finish can wait briefly for the next commit and claim it in the same transaction
+(issue 12: one write a batch at moderate rates on the writer the commands share); by default it
+does not wait, since every row's "delivered" would wait with it."""
 
 from __future__ import annotations
 
@@ -92,6 +93,38 @@ async def test_without_a_commit_the_finish_is_written_when_the_linger_ends(datab
     worker, repository, lingering = lingering_worker(database, clock, FakePublisher(BROKER), linger_s=0.05)
     assert await worker.run_once() == 1
     assert lingering.is_set()
+    assert (await row(database, ev.event_id)).status == "delivered"
+    assert repository.calls == {"claim_due": 1, "finish_and_claim": 1, "finish": 0}
+
+
+class NeverWoken(asyncio.Event):
+    """A wake-up that never comes, and says whether anyone waited for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = 0
+
+    async def wait(self) -> Any:
+        self.waited += 1
+        return await super().wait()
+
+
+async def test_by_default_a_short_batch_is_finished_without_waiting_for_a_commit(
+    database: Database, clock: Clock
+) -> None:
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    repository = CountingRepository(database)
+    worker = OutboxWorker(
+        repository=repository,
+        publishers=PublisherSet({BROKER: FakePublisher(BROKER)}),
+        policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=8_000, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.MQ),  # the defaults: batch_size 100, one row is a short batch
+        clock=clock,
+    )
+    wakeup = worker._wakeup = NeverWoken()
+    assert await worker.run_once() == 1
+    assert wakeup.waited == 0  # a linger waits for the next wake-up (until its timeout)
     assert (await row(database, ev.event_id)).status == "delivered"
     assert repository.calls == {"claim_due": 1, "finish_and_claim": 1, "finish": 0}
 
