@@ -79,6 +79,7 @@ from roomservice.brokers.port import (
     Delivery,
     GroupStats,
     OutgoingMessage,
+    within,
 )
 from roomservice.clock import wall_clock_ms
 from roomservice.coalesce import Coalesced, Failed
@@ -339,7 +340,7 @@ class EmbeddedBroker:
 
     # ------------------------------------------------------------------ publish
 
-    async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
+    async def publish(self, message: OutgoingMessage, *, timeout_s: float | None) -> str:
         item = self._outgoing(message)
         message_id, stored = await self._store(self._publishes.submit(_Publish(*item)), timeout_s)
         if stored:
@@ -571,7 +572,7 @@ class EmbeddedBroker:
             async with asyncio.timeout(timeout_s):
                 return await call
         except TimeoutError as exc:
-            raise BrokerUnavailable(f"embedded broker: no answer within {timeout_s:g}s") from exc
+            raise BrokerUnavailable(f"embedded broker: no answer {within(timeout_s)}") from exc
         except StoreUnavailable as exc:
             raise _unavailable(exc) from exc
 

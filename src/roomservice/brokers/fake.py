@@ -63,7 +63,7 @@ class FakeBroker:
         if self.down:
             raise BrokerUnavailable("fake broker is down")
 
-    async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
+    async def publish(self, message: OutgoingMessage, *, timeout_s: float | None) -> str:
         self._check()
         if self.hang:
             await asyncio.Event().wait()

@@ -77,6 +77,7 @@ from roomservice.brokers.port import (
     Delivery,
     GroupStats,
     OutgoingMessage,
+    within,
 )
 from roomservice.clock import wall_clock_ms
 from roomservice.config import NatsConfig
@@ -252,17 +253,17 @@ class NatsBroker:
 
     # ------------------------------------------------------------------ publish
 
-    async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
+    async def publish(self, message: OutgoingMessage, *, timeout_s: float | None) -> str:
         self._check_connected()
         subjects, subject, headers = self._outgoing(message)
         known = self._subjects[self.stream]
         try:
-            async with asyncio.timeout(timeout_s):  # the one deadline of this publish
+            async with asyncio.timeout(timeout_s):  # the one deadline of this publish (None: the caller's)
                 if subjects[0] not in known or subjects[1] not in known:
                     await self._ensure_subjects(self.stream, subjects)
                 ack = await self._publish(subject, message.body, headers, stream=self.stream)
         except TimeoutError:
-            raise BrokerUnavailable(f"NATS did not acknowledge the publish within {timeout_s:g}s") from None
+            raise BrokerUnavailable(f"NATS did not acknowledge the publish {within(timeout_s)}") from None
         return str(ack.seq)
 
     async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:

@@ -46,6 +46,11 @@ class BrokerUnavailable(errors.Unavailable):
     """The broker did not answer in time or refused for now; retrying is safe."""
 
 
+def within(timeout_s: float | None) -> str:
+    """How a publish's bound reads in an error: "within 3s", or the caller's deadline (``None``)."""
+    return "before the caller's deadline" if timeout_s is None else f"within {timeout_s:g}s"
+
+
 @dataclass(frozen=True, slots=True)
 class OutgoingMessage:
     topic: str
@@ -100,9 +105,11 @@ class GroupStats:
 class Broker(Protocol):
     name: str  # "embedded", "nats", "rocketmq"
 
-    async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
+    async def publish(self, message: OutgoingMessage, *, timeout_s: float | None) -> str:
         """Store ``message`` durably within ``timeout_s``; return the broker's message id.
-        Raises BrokerUnavailable (retry) or BrokerError."""
+        Raises BrokerUnavailable (retry) or BrokerError. ``None``: no timer of the adapter's own,
+        for a caller that bounds the whole call by its own deadline (the outbox worker's attempts,
+        through :class:`~roomservice.publishers.broker.BrokerPublisher`)."""
         ...
 
     async def declare_group(self, topic: str, group: str, *, max_deliveries: int) -> None:

@@ -96,6 +96,7 @@ from roomservice.brokers.port import (
     Delivery,
     GroupStats,
     OutgoingMessage,
+    within,
 )
 from roomservice.clock import wall_clock_ms
 from roomservice.config import RocketMQConfig
@@ -283,16 +284,16 @@ class RocketMQBroker:
                 self._producer = producer
         return self._producer
 
-    async def publish(self, message: OutgoingMessage, *, timeout_s: float) -> str:
+    async def publish(self, message: OutgoingMessage, *, timeout_s: float | None) -> str:
         return await self._publish(message, timeout_s=timeout_s)
 
-    async def _publish(self, message: OutgoingMessage, *, timeout_s: float, for_group: str = "") -> str:
+    async def _publish(self, message: OutgoingMessage, *, timeout_s: float | None, for_group: str = "") -> str:
         outgoing = self._to_message(message, for_group=for_group)
         try:
             receipt = await asyncio.wait_for(self._send(outgoing), timeout=timeout_s)
         except TimeoutError:
             raise BrokerUnavailable(
-                f"rocketmq: no SEND_OK for {message.topic} within {timeout_s:g}s "
+                f"rocketmq: no SEND_OK for {message.topic} {within(timeout_s)} "
                 f"({self.max_send_attempts} attempts of {self.request_timeout_s}s at most)"
             ) from None
         except _REFUSED as exc:

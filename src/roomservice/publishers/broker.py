@@ -63,18 +63,19 @@ class BrokerPublisher:
     ) -> None:
         """The outbox worker's path: a claimed row's own fields, no decoded Event needed.
 
-        Adds no timer of its own: the broker is given what is left of ``deadline``
-        (every adapter bounds its publish by it) and the caller bounds the attempt
-        by the same deadline (the worker does, for every publisher)."""
+        No timer here or in the broker: every caller bounds the call by ``deadline``
+        itself (the worker does, for every publisher; :meth:`publish` does), and a
+        timer of the adapter's own at the same instant would fire after the caller's,
+        so it was dead weight on every row (``timeout_s=None``, see the broker port)."""
         remaining = deadline - asyncio.get_running_loop().time()
         if remaining <= 0:
             raise RetryableError("publishing to the broker: the deadline passed before it started")
         if tracing.ENABLED:  # the message's headers carry the publish span's context
             with tracing.broker_publish_span(self.topic, key=event_id, tag=event_type, broker=self.broker.name) as tc:
                 headers = {**(headers or {}), **tc}
-                await self._send(self._message(event_id, event_type, app_code, room_id, payload, headers), remaining)
+                await self._send(self._message(event_id, event_type, app_code, room_id, payload, headers))
         else:
-            await self._send(self._message(event_id, event_type, app_code, room_id, payload, headers), remaining)
+            await self._send(self._message(event_id, event_type, app_code, room_id, payload, headers))
 
     @property
     def pipelined(self) -> bool:
@@ -117,9 +118,9 @@ class BrokerPublisher:
             headers=dict(headers) if headers else {},
         )
 
-    async def _send(self, message: OutgoingMessage, remaining: float) -> None:
+    async def _send(self, message: OutgoingMessage) -> None:
         try:
-            await self.broker.publish(message, timeout_s=remaining)
+            await self.broker.publish(message, timeout_s=None)
         except Exception as exc:
             self._reraise(exc)
 
