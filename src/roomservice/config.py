@@ -548,6 +548,17 @@ class ConsumersConfig(_Block):
 
     activity: ActivityConsumerConfig = ActivityConsumerConfig()
     notice: NoticeConsumerConfig = NoticeConsumerConfig()
+    # Ours: every group's negative-ack back-off. After its n-th failed delivery a message comes back after
+    # min(max_backoff, initial_backoff * 2**(n-1)), ± 20 % jitter (the broker dead-letters it after
+    # rocketmq.*.consumer_max_reconsume_times redeliveries, whatever the back-off).
+    initial_backoff: PositiveDuration = _d("1s")
+    max_backoff: PositiveDuration = _d("1m")
+
+    @model_validator(mode="after")
+    def _check(self) -> ConsumersConfig:
+        if self.max_backoff < self.initial_backoff:
+            _fail(f"must be >= consumers.initial_backoff ({format_duration(self.initial_backoff)})", "max_backoff")
+        return self
 
 
 # --------------------------------------------------------------------------- settings
@@ -825,6 +836,11 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         ("rocketmq.room_outbox.consumer_max_reconsume_times",),
         lambda s: not _consumes_room_outbox(s),
         "no room_outbox consumer runs (the IM bridge, consumers.activity and consumers.notice are off)",
+    ),
+    InactiveRule(
+        ("consumers.initial_backoff", "consumers.max_backoff"),
+        lambda s: not (_consumes_room_outbox(s) or s.rocketmq.treasure_open.enabled),
+        "no consumer group runs (the IM bridge, consumers.activity, consumers.notice, rocketmq.treasure_open are off)",
     ),
     InactiveRule(
         ("consumers.activity.group",), lambda s: not s.consumers.activity.enabled, "consumers.activity.enabled is false"

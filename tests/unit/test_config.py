@@ -356,6 +356,8 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"outbox_worker": {"max_retry_count": -1}}, "outbox_worker.max_retry_count must be >= 0"),
     ({"outbox_worker": {"initial_backoff": "0ms"}}, "outbox_worker.initial_backoff must be > 0"),
     ({"outbox_worker": {"max_backoff": "1s"}}, "outbox_worker.max_backoff must be >= outbox_worker.initial_backoff"),
+    ({"consumers": {"max_backoff": "500ms"}}, "consumers.max_backoff must be >= consumers.initial_backoff (1s)"),
+    ({"consumers": {"initial_backoff": "0s"}}, "consumers.initial_backoff must be > 0"),
     (
         {"outbox_worker": {"retry_strategy": "linear"}},
         "outbox_worker.retry_strategy must be one of exponential_backoff",
@@ -1096,6 +1098,10 @@ def test_inactive_keys_follow_the_choices() -> None:
     assert "wallet.starting_balance" in inactive and "wallet.url" not in inactive
     assert "wallet.timeout" not in inactive  # the http wallet's debit goes out before the commit
     assert "wallet.timeout" in dict(inactive_keys(load({})))  # the embedded one is a write of the commit
+    # the consumers' back-off: only where a group runs (the code's defaults run none)
+    assert "consumers.max_backoff" in dict(inactive_keys(load({})))
+    assert "consumers.max_backoff" not in dict(inactive_keys(load({"consumers": {"notice": {"enabled": True}}})))
+    assert "consumers.max_backoff" not in dict(inactive_keys(load({"rocketmq": {"treasure_open": {"enabled": True}}})))
     no_im = dict(inactive_keys(load({"tencent_im": {"enabled": False}})))
     assert no_im["tencent_im.group_type"] == "tencent_im.enabled is false"
     assert "tencent_im.enabled" not in no_im and "activity.target" not in no_im

@@ -18,6 +18,7 @@ from roomservice.consumers.notice import NoticeHandler
 from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Handler
 from roomservice.consumers.treasure_open import TreasureOpenHandler
 from roomservice.outbox.model import IM
+from roomservice.outbox.policy import RetryPolicy
 
 
 def needs_commands(settings: Settings, specs: Sequence[GroupSpec]) -> bool:
@@ -91,7 +92,15 @@ def _im(im: ImParts | None, spec: GroupSpec) -> ImParts:
 def _options(spec: GroupSpec, core: Core, *, ordered_by_key: bool) -> GroupOptions:
     # a delivery not acked within twice the publish deadline (the longest an effect should take) comes back
     visibility_s = max(5.0, 2 * core.settings.outbox_worker.publish_timeout.total_seconds())
-    return GroupOptions(max_deliveries=spec.max_deliveries, visibility_s=visibility_s, ordered_by_key=ordered_by_key)
+    consumers = core.settings.consumers
+    backoff = RetryPolicy(
+        initial_backoff_ms=round(consumers.initial_backoff.total_seconds() * 1000),
+        max_backoff_ms=round(consumers.max_backoff.total_seconds() * 1000),
+        max_retry_count=1 << 30,  # the broker counts deliveries and dead-letters; the policy only spaces them
+    )
+    return GroupOptions(
+        max_deliveries=spec.max_deliveries, visibility_s=visibility_s, ordered_by_key=ordered_by_key, backoff=backoff
+    )
 
 
 def start_consumers(core: Core, runtime: ConsumerRuntime) -> None:
