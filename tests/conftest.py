@@ -11,6 +11,9 @@ Databases:
 * ``mariadb_url`` — one migrated database per session, ``roomsvc_test_<hex>``;
   ``database`` empties its tables after every test.
 * ``fresh_mariadb_url`` — a brand-new, empty (unmigrated) database per test.
+* ``migrated_mariadb_url`` — a migrated database of this test alone, every table empty (auto-increment
+  counters reset): taken from a session pool, truncated after the test and reused — a fresh database's
+  migration costs ~2 s on MariaDB, a truncate ~70 ms.
 * ``database`` — a migrated :class:`Database`, parametrized ``sqlite`` / ``mariadb``.
 
 Set ``ROOMSERVICE_TEST_MARIADB_URL`` to point the tests at another server
@@ -125,16 +128,8 @@ def mariadb_server_url(require_service: RequireService) -> URL:
 def mariadb_url(mariadb_server_url: URL) -> Iterator[str]:
     """A migrated MariaDB database shared by the session (tests clean up their rows)."""
     name, url = _create_mariadb_database(mariadb_server_url)
-
-    async def migrate() -> None:
-        db = Database.from_url(url, pool_size=1, max_overflow=0)
-        try:
-            await upgrade(db)
-        finally:
-            await db.dispose()
-
     try:
-        run_in_fresh_loop(migrate())
+        run_in_fresh_loop(_migrate(url))
         yield url
     finally:
         _drop_mariadb_database(mariadb_server_url, name)
@@ -148,6 +143,80 @@ def fresh_mariadb_url(mariadb_server_url: URL) -> Iterator[str]:
         yield url
     finally:
         _drop_mariadb_database(mariadb_server_url, name)
+
+
+async def _migrate(url: str) -> None:
+    db = Database.from_url(url, pool_size=1, max_overflow=0)
+    try:
+        await upgrade(db)
+    finally:
+        await db.dispose()
+
+
+async def _truncate_every_table(server_url: URL, name: str) -> None:
+    """Every table of database ``name`` but alembic's emptied, auto-increment counters back at 1."""
+    engine = create_async_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as conn:
+            tables = await conn.scalars(
+                text(
+                    "SELECT TABLE_NAME FROM information_schema.TABLES WHERE TABLE_SCHEMA = :schema"
+                    " AND TABLE_TYPE = 'BASE TABLE' AND TABLE_NAME <> 'alembic_version'"
+                ),
+                {"schema": name},
+            )
+            await conn.execute(text("SET SESSION foreign_key_checks = 0, lock_wait_timeout = 10"))
+            for table in list(tables):
+                await conn.execute(text(f"TRUNCATE TABLE `{name}`.`{table}`"))
+    finally:
+        await engine.dispose()
+
+
+class MigratedMariadbPool:
+    """Migrated MariaDB databases handed out one test at a time, emptied in between; dropped at the end."""
+
+    def __init__(self, server_url: URL) -> None:
+        self.server_url = server_url
+        self.free: list[tuple[str, str]] = []
+        self.made: list[str] = []
+
+    def take(self) -> tuple[str, str]:
+        if self.free:
+            return self.free.pop()
+        name, url = _create_mariadb_database(self.server_url)
+        self.made.append(name)
+        run_in_fresh_loop(_migrate(url))
+        return name, url
+
+    def give_back(self, name: str, url: str) -> None:
+        try:
+            run_in_fresh_loop(_truncate_every_table(self.server_url, name))
+        except Exception:  # not reusable (e.g. a lock left behind): the next test gets a new one
+            return
+        self.free.append((name, url))
+
+    def drop_all(self) -> None:
+        for name in self.made:
+            _drop_mariadb_database(self.server_url, name)
+
+
+@pytest.fixture(scope="session")
+def migrated_mariadb_pool(mariadb_server_url: URL) -> Iterator[MigratedMariadbPool]:
+    pool = MigratedMariadbPool(mariadb_server_url)
+    try:
+        yield pool
+    finally:
+        pool.drop_all()
+
+
+@pytest.fixture
+def migrated_mariadb_url(migrated_mariadb_pool: MigratedMariadbPool) -> Iterator[str]:
+    """A migrated MariaDB database of this test alone, every table empty; emptied again afterwards."""
+    name, url = migrated_mariadb_pool.take()
+    try:
+        yield url
+    finally:
+        migrated_mariadb_pool.give_back(name, url)
 
 
 @pytest.fixture

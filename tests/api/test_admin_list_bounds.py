@@ -23,9 +23,16 @@ from roomservice.domain.limits import MAX_ID_VALUE
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
+@pytest.fixture(params=["sqlite", "mariadb"])
+def own_backend_url(request: pytest.FixtureRequest) -> str:
+    """A migrated database of this test alone on each backend (the Process's start-up migration: a no-op)."""
+    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "migrated_mariadb_url")
+    return url
+
+
 @pytest_asyncio.fixture
-async def backend_client(empty_backend_url: str, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    settings = make_settings(empty_backend_url, tmp_path)
+async def backend_client(own_backend_url: str, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    settings = make_settings(own_backend_url, tmp_path)
     async with Process.running(settings, roles=(API,), loops=False) as rt:
         assert rt.outbox_admin is not None
         app = create_app(

@@ -110,9 +110,9 @@ def start_nodes(tmp_path: Path, config: Path, n: int) -> list[Node]:
 
 
 @pytest.fixture
-def three(tmp_path: Path, fresh_mariadb_url: str, prefix: str, stream: Stream) -> Iterator[list[Node]]:
+def three(tmp_path: Path, migrated_mariadb_url: str, prefix: str, stream: Stream) -> Iterator[list[Node]]:
     config = cluster_config(
-        tmp_path / "c.yaml", database_url=fresh_mariadb_url, redis_url=SHARED_REDIS, prefix=prefix, stream=stream
+        tmp_path / "c.yaml", database_url=migrated_mariadb_url, redis_url=SHARED_REDIS, prefix=prefix, stream=stream
     )
     nodes = start_nodes(tmp_path, config, 3)
     try:
@@ -368,12 +368,12 @@ async def test_a_paused_owner_is_fenced_off_and_drops_its_cell(three: list[Node]
 
 
 async def test_redis_restarted_under_load_503s_then_full_service(
-    tmp_path: Path, fresh_mariadb_url: str, prefix: str, stream: Stream
+    tmp_path: Path, migrated_mariadb_url: str, prefix: str, stream: Stream
 ) -> None:
     own = OwnRedisServer()
     own.start()
     config = cluster_config(
-        tmp_path / "c.yaml", database_url=fresh_mariadb_url, redis_url=own.url, prefix=prefix, stream=stream
+        tmp_path / "c.yaml", database_url=migrated_mariadb_url, redis_url=own.url, prefix=prefix, stream=stream
     )
     nodes = start_nodes(tmp_path, config, 2)
     try:
@@ -423,7 +423,7 @@ async def test_redis_restarted_under_load_503s_then_full_service(
 
 
 async def test_two_processes_run_the_docker_sample_as_written(
-    tmp_path: Path, fresh_mariadb_url: str, own_server: OwnNatsServer
+    tmp_path: Path, migrated_mariadb_url: str, own_server: OwnNatsServer
 ) -> None:
     """configs/docker.yaml unchanged, its addresses from the environment: N processes, one shared IM sandbox."""
     own = OwnRedisServer()
@@ -438,7 +438,7 @@ async def test_two_processes_run_the_docker_sample_as_written(
     env = {
         "ROOMSERVICE_ADMIN_TOKEN": "t",
         "ROOMSERVICE_GRPC_SHARED_SECRET": SECRET,
-        "ROOMSERVICE_DATABASE_URL": fresh_mariadb_url,
+        "ROOMSERVICE_DATABASE_URL": migrated_mariadb_url,
         "ROOMSERVICE_REDIS_URL": own.url,
         "ROOMSERVICE_NATS_URL": own_server.url,
         "ROOMSERVICE_HTTP_HOST": "127.0.0.1",

@@ -54,7 +54,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The one database the test's processes share."""
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path}/room.db"
-    url: str = request.getfixturevalue("fresh_mariadb_url")
+    url: str = request.getfixturevalue("migrated_mariadb_url")
     return url
 
 

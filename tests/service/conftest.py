@@ -49,7 +49,7 @@ RuntimeFactory = Callable[..., AbstractAsyncContextManager[Process]]
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path}/room.db"
-    url: str = request.getfixturevalue("fresh_mariadb_url")
+    url: str = request.getfixturevalue("migrated_mariadb_url")
     return url
 
 

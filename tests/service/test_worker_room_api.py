@@ -62,10 +62,10 @@ async def docker_settings(
 
 
 async def test_a_room_whose_lease_a_worker_took_is_forwarded_to_the_worker(
-    tmp_path: Path, fresh_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
+    tmp_path: Path, migrated_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
 ) -> None:
     async with (
-        docker_settings(tmp_path, fresh_mariadb_url, own_redis, own_server) as (worker_settings, api_settings),
+        docker_settings(tmp_path, migrated_mariadb_url, own_redis, own_server) as (worker_settings, api_settings),
         Process.running(worker_settings, roles=WORKER_ROLES) as worker,  # what `room-service worker` runs
         Process.running(api_settings, roles={API}, room_api=True) as api,
     ):
@@ -86,12 +86,12 @@ async def test_a_room_whose_lease_a_worker_took_is_forwarded_to_the_worker(
 
 
 async def test_a_consumer_with_the_treasure_open_group_serves_the_room_api(
-    tmp_path: Path, fresh_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
+    tmp_path: Path, migrated_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
 ) -> None:
     groups = frozenset({"hyapp-room-treasure-open"})
     async with (
         docker_settings(
-            tmp_path, fresh_mariadb_url, own_redis, own_server, **{"rocketmq.treasure_open.enabled": True}
+            tmp_path, migrated_mariadb_url, own_redis, own_server, **{"rocketmq.treasure_open.enabled": True}
         ) as (settings, _),
         Process.running(settings, roles=CONSUME_ROLES, groups=groups) as consumer,  # `consume --group ...`
     ):
@@ -100,11 +100,13 @@ async def test_a_consumer_with_the_treasure_open_group_serves_the_room_api(
 
 
 async def test_a_consumer_without_the_command_pipeline_serves_no_room_api(
-    tmp_path: Path, fresh_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
+    tmp_path: Path, migrated_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
 ) -> None:
     groups = frozenset({"hyapp-activity-room-outbox"})
     async with (
-        docker_settings(tmp_path, fresh_mariadb_url, own_redis, own_server, **{"consumers.activity.enabled": True}) as (
+        docker_settings(
+            tmp_path, migrated_mariadb_url, own_redis, own_server, **{"consumers.activity.enabled": True}
+        ) as (
             settings,
             _,
         ),
@@ -114,10 +116,10 @@ async def test_a_consumer_without_the_command_pipeline_serves_no_room_api(
 
 
 async def test_a_worker_stopped_right_after_it_started_stops(
-    tmp_path: Path, fresh_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
+    tmp_path: Path, migrated_mariadb_url: str, own_redis: OwnRedisServer, own_server: OwnNatsServer
 ) -> None:
     """The maintenance loops are in their first sweep (MariaDB reads) when the stop cancels them."""
-    async with docker_settings(tmp_path, fresh_mariadb_url, own_redis, own_server) as (settings, _):
+    async with docker_settings(tmp_path, migrated_mariadb_url, own_redis, own_server) as (settings, _):
         for _ in range(3):
             async with Process.running(settings, roles=WORKER_ROLES) as worker:
                 assert worker.room_api is not None and worker.room_api.serving

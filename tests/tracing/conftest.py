@@ -62,7 +62,7 @@ def one(spans: list[ReadableSpan], name: str, **attributes: Any) -> ReadableSpan
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite+aiosqlite:///{tmp_path}/room.db"
-    url: str = request.getfixturevalue("fresh_mariadb_url")
+    url: str = request.getfixturevalue("migrated_mariadb_url")
     return url
 
 
