@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
-from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from roomservice import errors
 from roomservice.cell.cell import RoomCell
@@ -39,7 +38,7 @@ from roomservice.domain.state import RoomState
 from roomservice.domain.view import room_view
 from roomservice.leases.port import LeaseUnavailable
 from roomservice.observability import tracing
-from roomservice.observability.logging import get_logger
+from roomservice.observability.logging import get_logger, log_context
 from roomservice.observability.timing import CommandTiming, Stopwatch, rounded_ms
 from roomservice.projections.port import Projections
 from roomservice.store.port import (
@@ -143,17 +142,13 @@ class RoomService:
         """Run one write command; returns the response body or raises RoomServiceError."""
         timing = CommandTiming(command=command.name, app_code=app_code, room_id=room_id, command_id=command_id)
         total = Stopwatch()
-        # every line logged while this command runs names it (structlog merges contextvars);
-        # bind + reset directly: bound_contextvars also reads the whole context first
-        tokens = bind_contextvars(app_code=app_code, room_id=room_id, command_id=command_id)
-        try:
+        # every line logged while this command runs names it (structlog merges contextvars)
+        with log_context(app_code=app_code, room_id=room_id, command_id=command_id):
             if tracing.ENABLED:  # the command's span, its stages drawn from `timing` afterwards
                 return await tracing.traced_command(
                     timing, lambda: self._timed(app_code, room_id, command_id, command, timing, total)
                 )
             return await self._timed(app_code, room_id, command_id, command, timing, total)
-        finally:
-            reset_contextvars(**tokens)
 
     async def _timed(
         self,

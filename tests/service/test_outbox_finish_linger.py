@@ -46,14 +46,19 @@ def clock() -> Clock:
 
 
 def lingering_worker(
-    database: Database, clock: Clock, publisher: FakePublisher, linger_s: float
+    database: Database, clock: Clock, publisher: FakePublisher, linger_s: float | None
 ) -> tuple[OutboxWorker, CountingRepository, asyncio.Event]:
+    """A worker counting its transactions; ``lingering`` is set once a batch's finish could linger
+    (``linger_s`` None: the default linger)."""
     repository = CountingRepository(database)
+    options = WorkerOptions(mode=PublishMode.MQ)
+    if linger_s is not None:
+        options = WorkerOptions(mode=PublishMode.MQ, finish_linger_s=linger_s)
     worker = OutboxWorker(
         repository=repository,
         publishers=PublisherSet({BROKER: publisher}),
         policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=8_000, max_retry_count=3, jitter=0),
-        options=WorkerOptions(mode=PublishMode.MQ, finish_linger_s=linger_s),
+        options=options,
         clock=clock,
     )
     lingering = asyncio.Event()
@@ -114,14 +119,8 @@ async def test_by_default_a_short_batch_is_finished_without_waiting_for_a_commit
 ) -> None:
     ev = make_event(JOINED)
     await insert_rows(database, ev)
-    repository = CountingRepository(database)
-    worker = OutboxWorker(
-        repository=repository,
-        publishers=PublisherSet({BROKER: FakePublisher(BROKER)}),
-        policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=8_000, max_retry_count=3, jitter=0),
-        options=WorkerOptions(mode=PublishMode.MQ),  # the defaults: batch_size 100, one row is a short batch
-        clock=clock,
-    )
+    # the defaults: batch_size 100, so one row is a short batch
+    worker, repository, _ = lingering_worker(database, clock, FakePublisher(BROKER), linger_s=None)
     wakeup = worker._wakeup = NeverWoken()
     assert await worker.run_once() == 1
     assert wakeup.waited == 0  # a linger waits for the next wake-up (until its timeout)

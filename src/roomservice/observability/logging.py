@@ -11,6 +11,9 @@ the same bytes but the timestamp, written and flushed under the same lock.
 It writes only while structlog is still configured as :func:`configure_logging`
 left it; otherwise (console output, ``capture_logs()`` in a test, another
 configuration) it writes nothing and the caller logs through structlog.
+
+:class:`log_context` names what every line logged inside it is about (a command, a
+row, a delivery), as structlog's ``bound_contextvars`` does, for less per use.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, BinaryIO, TextIO
 
 import orjson
 import structlog
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 
 def _repr(value: Any) -> str:
@@ -117,6 +121,26 @@ def configure_logging(*, level: str = "info", json: bool = True, file: TextIO | 
     if binary is not None:
         assert len(chain) == _CHAIN_LENGTH
         _json_lines = _JsonLines(chain, renderer, factory, wrapper, factory(), number <= logging.INFO)
+
+
+class log_context:  # lower case: used like the context manager function it replaces
+    """``with log_context(event_id=...)``: every line logged inside carries these values.
+
+    ``structlog.contextvars.bound_contextvars`` at a fraction of its cost, for the hot paths
+    (a command, an outbox row, a consumer delivery): that one reads the whole context first to
+    save what it overrides and is a generator context manager; the contextvars' own tokens put
+    back exactly the values before (or their absence)."""
+
+    __slots__ = ("_tokens", "_values")
+
+    def __init__(self, **values: Any) -> None:
+        self._values = values
+
+    def __enter__(self) -> None:
+        self._tokens = bind_contextvars(**self._values)
+
+    def __exit__(self, *exc: object) -> None:
+        reset_contextvars(**self._tokens)
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

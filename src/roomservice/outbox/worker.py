@@ -50,12 +50,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from structlog.contextvars import bind_contextvars, reset_contextvars
-
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
 from roomservice.observability import tracing
-from roomservice.observability.logging import get_logger
+from roomservice.observability.logging import get_logger, log_context
 from roomservice.observability.metrics import (
     OUTBOX_CLAIM_BATCH,
     OUTBOX_COMMIT_TO_DELIVERED_SECONDS,
@@ -144,23 +142,6 @@ def _check_envelope(payload: bytes) -> None:
     """Raise as :func:`decode_event` would for a payload it cannot decode (bad bytes, an unknown
     type), without building the Event: for rows whose targets do not need it."""
     PAYLOAD_TYPES[pb.RoomOutboxEvent.FromString(payload).type]
-
-
-class _NamingEvent:
-    """``bound_contextvars(event_id=...)`` for one row, at a fraction of its cost per row: structlog's
-    copies the whole context to save the values it overrides and binds them again afterwards; the
-    contextvar's token restores exactly the value before (or its absence)."""
-
-    __slots__ = ("_event_id", "_tokens")
-
-    def __init__(self, event_id: str) -> None:
-        self._event_id = event_id
-
-    def __enter__(self) -> None:
-        self._tokens = bind_contextvars(event_id=self._event_id)
-
-    def __exit__(self, *exc: object) -> None:
-        reset_contextvars(**self._tokens)
 
 
 class WorkerNotReady(errors.Unavailable):
@@ -516,7 +497,7 @@ class OutboxWorker:
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
         """Publish ``row`` to every target it still needs; never raises. Lines logged meanwhile name the event."""
-        with _NamingEvent(row.event_id):
+        with log_context(event_id=row.event_id):
             if tracing.ENABLED:  # a span continuing the trace stored with the row
                 return await tracing.traced_delivery(row, self._deliver)
             return await self._deliver(row)
@@ -575,7 +556,7 @@ class OutboxWorker:
         started = time.perf_counter()
         timeout = self.options.publish_timeout_s
         deadline = loop.time() + timeout
-        with _NamingEvent(row.event_id):
+        with log_context(event_id=row.event_id):
             try:
                 _check_envelope(row.payload)
             except Exception as exc:  # an undecodable row can never be delivered
