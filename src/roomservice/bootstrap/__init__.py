@@ -9,19 +9,30 @@ maintenance  retention sweeps, command-log pruning, wallet reconciliation, backl
 broker       opening the configured broker; which consumer groups the configuration enables
 consumers    the consumer runtime with those groups
 process      ``Process.running(settings, roles=...)``: what ``serve`` and ``worker`` start
+
+Importing this package does not import ``process`` (and with it FastAPI, gRPC,
+OpenTelemetry and every adapter): the admin CLI needs only ``broker`` and
+``core``, and a ``room-service outbox``/``broker`` command started that whole
+graph (about a second) before it read its arguments. The names below are
+loaded on first use.
 """
 
-from roomservice.bootstrap.process import (
-    API,
-    CONSUME_ROLES,
-    CONSUMERS,
-    MAINTENANCE,
-    OUTBOX,
-    SERVE_ROLES,
-    TIMERS,
-    WORKER_ROLES,
-    Process,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from roomservice.bootstrap.process import (
+        API,
+        CONSUME_ROLES,
+        CONSUMERS,
+        MAINTENANCE,
+        OUTBOX,
+        SERVE_ROLES,
+        TIMERS,
+        WORKER_ROLES,
+        Process,
+    )
 
 __all__ = [
     "API",
@@ -34,3 +45,11 @@ __all__ = [
     "WORKER_ROLES",
     "Process",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from roomservice.bootstrap import process
+
+        return getattr(process, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
