@@ -71,6 +71,10 @@ __all__ = [
 
 DATA_DIR_PLACEHOLDER = "{data_dir}"
 DATABASE_SCHEMES = ("sqlite+aiosqlite", "mysql+asyncmy", "mariadb+asyncmy")
+# A RocketMQ 5 proxy's bounds on how long a received message stays invisible (minInvisibleTimeMillsForRecv
+# by default; the most it accepts): consumers.visibility_timeout must lie within them on RocketMQ.
+ROCKETMQ_MIN_INVISIBLE = timedelta(seconds=10)
+ROCKETMQ_MAX_INVISIBLE = timedelta(hours=12)
 
 
 class ConfigError(Exception):
@@ -553,6 +557,15 @@ class ConsumersConfig(_Block):
     # rocketmq.*.consumer_max_reconsume_times redeliveries, whatever the back-off).
     initial_backoff: PositiveDuration = _d("1s")
     max_backoff: PositiveDuration = _d("1m")
+    # Ours: how long a delivery may go unacknowledged (a consumer that died or hangs) before the broker
+    # hands it out again, in every group. Unset: max(5s, 2 × outbox_worker.publish_timeout).
+    visibility_timeout: PositiveDuration | None = None
+
+    def visibility(self, publish_timeout: timedelta) -> timedelta:
+        """The visibility timeout in force: the key, or the default derived from ``publish_timeout``."""
+        if self.visibility_timeout is not None:
+            return self.visibility_timeout
+        return max(timedelta(seconds=5), 2 * publish_timeout)
 
     @model_validator(mode="after")
     def _check(self) -> ConsumersConfig:
@@ -619,6 +632,17 @@ class Settings(_Block):
                 _fail(f"{mode} needs a usable broker: {broker_problem}", "outbox_worker.publish_mode")
         if self.rocketmq.treasure_open.enabled and broker_problem:
             _fail(f"needs a usable broker: {broker_problem}", "rocketmq.treasure_open.enabled")
+        visibility = self.consumers.visibility_timeout
+        if self.broker.driver == "rocketmq" and visibility is not None and not (
+            ROCKETMQ_MIN_INVISIBLE <= visibility <= ROCKETMQ_MAX_INVISIBLE
+        ):
+            _fail(
+                f"must be between {format_duration(ROCKETMQ_MIN_INVISIBLE)} and "
+                f"{format_duration(ROCKETMQ_MAX_INVISIBLE)} when broker.driver is rocketmq (a RocketMQ 5 proxy "
+                "keeps a received message invisible for at least minInvisibleTimeMillsForRecv, 10s by default, "
+                "and at most 12h)",
+                "consumers.visibility_timeout",
+            )
         if self.lease.driver == "redis" and not self.redis.url:
             _fail("must be set when lease.driver is redis", "redis.url")
         if self.lease.driver == "redis" and not self.grpc.shared_secret.get_secret_value():
@@ -838,7 +862,7 @@ INACTIVE_RULES: tuple[InactiveRule, ...] = (
         "no room_outbox consumer runs (the IM bridge, consumers.activity and consumers.notice are off)",
     ),
     InactiveRule(
-        ("consumers.initial_backoff", "consumers.max_backoff"),
+        ("consumers.initial_backoff", "consumers.max_backoff", "consumers.visibility_timeout"),
         lambda s: not (_consumes_room_outbox(s) or s.rocketmq.treasure_open.enabled),
         "no consumer group runs (the IM bridge, consumers.activity, consumers.notice, rocketmq.treasure_open are off)",
     ),

@@ -42,9 +42,9 @@ from roomservice.outbox.policy import RetryPolicy
 from roomservice.store import tables as t
 
 FAST = RetryPolicy(initial_backoff_ms=20, max_backoff_ms=50, max_retry_count=1 << 30, jitter=0.0)
-# a delivery not acked comes back after the visibility timeout: max(5 s, twice the publish timeout); the
-# shutdown lets deliveries in flight finish for the publish timeout, then cancels them (no ack)
-QUICK_SHUTDOWN = {"outbox_worker.publish_timeout": "1s"}
+# the shutdown lets deliveries in flight finish for the publish timeout, then cancels them (no ack); a
+# delivery not acked comes back after consumers.visibility_timeout (by default max(5 s, twice the publish timeout))
+QUICK_SHUTDOWN = {"outbox_worker.publish_timeout": "1s", "consumers.visibility_timeout": "1s"}
 
 
 def retry_quickly(rt: Process, policy: RetryPolicy = FAST) -> None:

@@ -1,7 +1,8 @@
-"""``consumers.initial_backoff`` / ``consumers.max_backoff`` reach every group the process runs.
+"""``consumers.initial_backoff`` / ``consumers.max_backoff`` / ``consumers.visibility_timeout`` reach every
+group the process runs.
 
-The runtime spaces a failed delivery's redelivery by its group's ``RetryPolicy``
-(tests/consumers/test_runtime.py shows that); here the keys must be what builds it.
+The runtime spaces a failed delivery's redelivery by its group's ``RetryPolicy`` and fetches with its
+``visibility_s`` (tests/consumers/test_runtime.py shows what each does); here the keys must be what builds them.
 """
 
 from __future__ import annotations
@@ -40,3 +41,18 @@ async def test_the_defaults_are_a_second_doubling_to_a_minute(tmp_path: Path) ->
             for r in rt.consumers.runners
         }
         assert policies == {(1000, 60_000)}
+
+
+async def test_the_visibility_key_reaches_every_group_and_its_default_follows_the_publish_timeout(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path}/room.db"
+    keyed = make_settings(url, tmp_path, **{"consumers.visibility_timeout": "1500ms"})
+    assert "consumers.visibility_timeout" not in dict(inactive_keys(keyed))
+    async with Process.running(keyed, roles=(CONSUMERS,), loops=False) as rt:
+        assert rt.consumers is not None
+        assert {r.options.visibility_s for r in rt.consumers.runners} == {1.5}
+    derived = make_settings(url, tmp_path, **{"outbox_worker.publish_timeout": "4s"})
+    async with Process.running(derived, roles=(CONSUMERS,), loops=False) as rt:
+        assert rt.consumers is not None
+        assert {r.options.visibility_s for r in rt.consumers.runners} == {8.0}

@@ -358,6 +358,7 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"outbox_worker": {"max_backoff": "1s"}}, "outbox_worker.max_backoff must be >= outbox_worker.initial_backoff"),
     ({"consumers": {"max_backoff": "500ms"}}, "consumers.max_backoff must be >= consumers.initial_backoff (1s)"),
     ({"consumers": {"initial_backoff": "0s"}}, "consumers.initial_backoff must be > 0"),
+    ({"consumers": {"visibility_timeout": "0s"}}, "consumers.visibility_timeout must be > 0"),
     (
         {"outbox_worker": {"retry_strategy": "linear"}},
         "outbox_worker.retry_strategy must be one of exponential_backoff",
@@ -500,6 +501,14 @@ CASES_ONCE_BUILT: list[tuple[dict[str, Any], str]] = [
     ),
     ({"lease": {"driver": "redis"}, "redis": {"url": ""}}, "redis.url must be set when lease.driver is redis"),
     ({"broker": {"driver": "nats", "nats": {"url": ""}}}, "broker.nats.url must be set when broker.driver is nats"),
+    (
+        {"broker": {"driver": "rocketmq"}, "consumers": {"visibility_timeout": "5s"}},
+        "consumers.visibility_timeout must be between 10s and 12h when broker.driver is rocketmq",
+    ),
+    (
+        {"broker": {"driver": "rocketmq"}, "consumers": {"visibility_timeout": "13h"}},
+        "consumers.visibility_timeout must be between 10s and 12h when broker.driver is rocketmq",
+    ),
 ]
 
 
@@ -1102,6 +1111,8 @@ def test_inactive_keys_follow_the_choices() -> None:
     assert "consumers.max_backoff" in dict(inactive_keys(load({})))
     assert "consumers.max_backoff" not in dict(inactive_keys(load({"consumers": {"notice": {"enabled": True}}})))
     assert "consumers.max_backoff" not in dict(inactive_keys(load({"rocketmq": {"treasure_open": {"enabled": True}}})))
+    assert "consumers.visibility_timeout" in dict(inactive_keys(load({})))
+    assert "consumers.visibility_timeout" not in dict(inactive_keys(load({"consumers": {"notice": {"enabled": True}}})))
     no_im = dict(inactive_keys(load({"tencent_im": {"enabled": False}})))
     assert no_im["tencent_im.group_type"] == "tencent_im.enabled is false"
     assert "tencent_im.enabled" not in no_im and "activity.target" not in no_im
@@ -1139,3 +1150,13 @@ def test_docs_describe_every_key_and_every_choice_not_built_yet() -> None:
         assert f"`{key}`" in text, key
     for row in NOT_YET_AVAILABLE:
         assert f"`{row.key}: {row.value if not isinstance(row.value, bool) else str(row.value).lower()}`" in text, row
+
+
+def test_the_visibility_timeout_is_the_key_or_twice_the_publish_timeout_at_least_5s() -> None:
+    assert load({}).consumers.visibility(timedelta(seconds=3)) == timedelta(seconds=6)
+    assert load({}).consumers.visibility(timedelta(seconds=1)) == timedelta(seconds=5)
+    keyed = load({"consumers": {"visibility_timeout": "750ms"}}).consumers
+    assert keyed.visibility(timedelta(seconds=3)) == timedelta(milliseconds=750)
+    # on RocketMQ within the proxy's bounds it loads
+    ok = {"broker": {"driver": "rocketmq"}, "consumers": {"visibility_timeout": "10s"}}
+    assert load(ok).consumers.visibility_timeout == timedelta(seconds=10)

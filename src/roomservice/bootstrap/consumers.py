@@ -90,9 +90,9 @@ def _im(im: ImParts | None, spec: GroupSpec) -> ImParts:
 
 
 def _options(spec: GroupSpec, core: Core, *, ordered_by_key: bool) -> GroupOptions:
-    # a delivery not acked within twice the publish deadline (the longest an effect should take) comes back
-    visibility_s = max(5.0, 2 * core.settings.outbox_worker.publish_timeout.total_seconds())
     consumers = core.settings.consumers
+    # a delivery not acked by then comes back (unset: twice the publish deadline, the longest an effect should take)
+    visibility_s = consumers.visibility(core.settings.outbox_worker.publish_timeout).total_seconds()
     backoff = RetryPolicy(
         initial_backoff_ms=round(consumers.initial_backoff.total_seconds() * 1000),
         max_backoff_ms=round(consumers.max_backoff.total_seconds() * 1000),

@@ -99,7 +99,7 @@ from roomservice.brokers.port import (
     within,
 )
 from roomservice.clock import wall_clock_ms
-from roomservice.config import RocketMQConfig
+from roomservice.config import ROCKETMQ_MAX_INVISIBLE, ROCKETMQ_MIN_INVISIBLE, RocketMQConfig
 from roomservice.observability.logging import get_logger
 
 _log = get_logger("roomservice.brokers.rocketmq")
@@ -219,8 +219,8 @@ class RocketMQBroker:
         retry: int = 2,
         use_message_group: bool = True,
         max_delay_s: float = 24 * 3600 - 300,
-        min_invisible_s: float = 10.0,
-        max_invisible_s: float = 12 * 3600,
+        min_invisible_s: float = ROCKETMQ_MIN_INVISIBLE.total_seconds(),
+        max_invisible_s: float = ROCKETMQ_MAX_INVISIBLE.total_seconds(),
         settings_wait_s: float = 10.0,
         dlq_reader_suffix: str = "-dlq-reader",
         dlq_hold_s: float = 60.0,
