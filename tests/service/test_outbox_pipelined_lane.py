@@ -1,5 +1,6 @@
-"""A room's lane on a pipelining publisher (issue 12): rows sent in version order without waiting for
-each acknowledgement; every row's outcome, retry and dead letter exactly as on the serial path."""
+"""A batch's rows on a pipelining publisher (issues 8 and 12): one pipeline for the batch, each room's
+rows sent in version order without waiting for each acknowledgement; every row's outcome, retry and
+dead letter exactly as on the serial path."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class PipeliningPublisher:
         self.fail: dict[str, Exception] = {}  # event id -> the error its acknowledgement fails with
         self.refuse: dict[str, Exception] = {}  # event id -> the error its send raises
         self.never: set[str] = set()  # event ids whose acknowledgement never comes
+        self.stall: set[str] = set()  # event ids whose send itself never returns
         self.sends = asyncio.Event()
         self.expected_sends = 0
 
@@ -47,6 +49,8 @@ class PipeliningPublisher:
     async def send_claimed(self, *, event_id: str, **_: Any) -> asyncio.Future[None]:
         if event_id in self.refuse:
             raise self.refuse[event_id]
+        if event_id in self.stall:
+            await asyncio.Event().wait()
         self.outstanding_at_send.append(self._outstanding())
         self.sent.append(event_id)
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -147,11 +151,11 @@ async def test_an_acknowledgement_that_never_comes_times_out_alone_and_is_let_go
     assert [(await row(database, ev.event_id)).status for ev in (first, last)] == ["delivered", "delivered"]
 
 
-async def test_a_row_that_does_not_pipeline_waits_for_the_acknowledgements_before_it(
+async def test_a_room_with_a_row_that_does_not_pipeline_is_published_row_after_row(
     database: Database, clock: Clock
 ) -> None:
-    """A countdown needs the broker and the treasure wake-up: it goes the serial way, after the
-    earlier rows' acknowledgements, and the row after it is sent only once it is done."""
+    """A countdown needs the broker and the treasure wake-up: its room goes the serial way, each
+    row after the one before it is done, so nothing of that room overtakes it."""
     countdown = e.RoomTreasureCountdownStarted(box_id="b1", level=1, open_at_ms=T0 + 60_000, open_command_id="open-b1")
     joined, started, later = (
         make_event(JOINED, room="busy", version=1),
@@ -162,7 +166,7 @@ async def test_a_row_that_does_not_pipeline_waits_for_the_acknowledgements_befor
     publisher = PipeliningPublisher()
     wakeup = FakePublisher(TREASURE_WAKEUP)
     await worker(database, clock, publisher, extra={TREASURE_WAKEUP: wakeup}).run_once()
-    assert (publisher.sent, publisher.serial) == ([joined.event_id, later.event_id], [started.event_id])
+    assert (publisher.sent, publisher.serial) == ([], [joined.event_id, started.event_id, later.event_id])
     assert publisher.outstanding_at_send == [0, 0, 0]
     assert wakeup.delivered == [started.event_id]
     for ev in (joined, started, later):
@@ -186,11 +190,58 @@ async def test_shutdown_lets_go_of_outstanding_acknowledgements_and_hands_the_ro
         assert (r.status, r.lock_owner, r.retry_count) == ("pending", None, 0)
 
 
-async def test_a_rooms_only_row_in_a_batch_takes_the_plain_path(database: Database, clock: Clock) -> None:
-    alone, *busy = [make_event(JOINED, room="quiet"), *one_room(2)]
-    await insert_rows(database, alone, *busy)
+async def test_the_batchs_rooms_share_one_pipeline_round_robin(database: Database, clock: Clock) -> None:
+    """Every room's first row, then every second row...: a room's only row is sent without waiting
+    for another room's acknowledgement, and each room's rows keep their version order."""
+    alone = make_event(JOINED, room="quiet")
+    busy = one_room(3)
+    other = [make_event(JOINED, room="other", version=v) for v in (1, 2)]
+    await insert_rows(database, *reversed(busy), alone, *other)
     publisher = PipeliningPublisher()
-    assert await worker(database, clock, publisher).run_once() == 3
-    assert (publisher.serial, publisher.sent) == ([alone.event_id], [ev.event_id for ev in busy])
-    for ev in (alone, *busy):
+    assert await worker(database, clock, publisher).run_once() == 6
+    assert publisher.serial == []
+    depth = {ev.event_id: n for room in ([alone], busy, other) for n, ev in enumerate(room)}
+    assert [depth[i] for i in publisher.sent] == [0, 0, 0, 1, 1, 2]
+    for room in ([alone], busy, other):
+        assert [i for i in publisher.sent if i in {ev.event_id for ev in room}] == [ev.event_id for ev in room]
+    assert publisher.outstanding_at_send[-1] > 0  # not one at a time
+    for ev in (alone, *busy, *other):
         assert (await row(database, ev.event_id)).status == "delivered"
+
+
+async def test_the_pipeline_keeps_at_most_publish_concurrency_attempts_open(database: Database, clock: Clock) -> None:
+    events = [make_event(JOINED, room=f"r{n}") for n in range(7)]
+    await insert_rows(database, *events)
+    publisher = PipeliningPublisher()
+    assert await worker(database, clock, publisher, publish_concurrency=2).run_once() == 7
+    assert len(publisher.sent) == 7 and max(publisher.outstanding_at_send) == 1
+    assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 7
+
+
+async def test_a_send_that_never_returns_times_out_alone_and_the_rest_go_on(database: Database, clock: Clock) -> None:
+    first, stuck, last = [make_event(JOINED, room=f"r{n}") for n in range(3)]
+    await insert_rows(database, first, stuck, last)
+    publisher = PipeliningPublisher()
+    publisher.stall.add(stuck.event_id)
+    await worker(database, clock, publisher, publish_timeout_s=0.2).run_once()
+    r = await row(database, stuck.event_id)
+    assert (r.status, r.retry_count) == ("retryable", 1) and "timed out after 0.2s" in r.last_error
+    assert [(await row(database, ev.event_id)).status for ev in (first, last)] == ["delivered", "delivered"]
+    assert publisher.sent == [first.event_id, last.event_id]
+
+
+async def test_past_max_room_lane_a_late_batch_leaves_a_rooms_backlog_to_the_next(
+    database: Database, clock: Clock
+) -> None:
+    from roomservice.outbox.worker import MAX_ROOM_LANE
+
+    busy = one_room(MAX_ROOM_LANE + 3)
+    quiet = make_event(JOINED, room="quiet")
+    await insert_rows(database, *busy, quiet)
+    publisher = PipeliningPublisher()
+    assert await worker(database, clock, publisher, lane_budget_s=0.0).run_once() == len(busy) + 1
+    assert publisher.sent[:2] == [busy[0].event_id, quiet.event_id]
+    assert publisher.sent[2:] == [ev.event_id for ev in busy[1:MAX_ROOM_LANE]]
+    left = [await row(database, ev.event_id) for ev in busy[MAX_ROOM_LANE:]]
+    assert [(r.status, r.retry_count) for r in left] == [("delivering", 0)] * 3  # handed back, claimed again
+    assert [(await row(database, ev.event_id)).status for ev in busy[:MAX_ROOM_LANE]] == ["delivered"] * MAX_ROOM_LANE

@@ -46,8 +46,10 @@ import contextlib
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from roomservice import errors
@@ -60,6 +62,7 @@ from roomservice.observability.metrics import (
     OUTBOX_DELIVERIES,
     OUTBOX_PUBLISH_SECONDS,
     OUTBOX_ROWS_FINISHED,
+    observe_many,
 )
 from roomservice.outbox.model import ClaimedRow, Outcome, PublishMode, format_targets, required_targets
 from roomservice.outbox.policy import RetryPolicy
@@ -124,18 +127,18 @@ _PUBLISH_SECONDS: dict[str, Any] = {}
 _FINISHED = {status: OUTBOX_ROWS_FINISHED.labels(status) for status in ("delivered", "failed", "retryable")}
 
 
-def _count_delivery(target: str, outcome: str) -> None:
+def _count_delivery(target: str, outcome: str, n: int = 1) -> None:
     child = _DELIVERIES.get((target, outcome))
     if child is None:
         child = _DELIVERIES[(target, outcome)] = OUTBOX_DELIVERIES.labels(target, outcome)
-    child.inc()
+    child.inc(n)
 
 
-def _observe_publish(target: str, seconds: float) -> None:
+def _publish_seconds(target: str) -> Any:
     child = _PUBLISH_SECONDS.get(target)
     if child is None:
         child = _PUBLISH_SECONDS[target] = OUTBOX_PUBLISH_SECONDS.labels(target)
-    child.observe(seconds)
+    return child
 
 
 def _check_envelope(payload: bytes) -> None:
@@ -159,15 +162,6 @@ class _Finish:
     @property
     def rows(self) -> int:
         return len(self.delivered) + len(self.retries)
-
-
-@dataclass(frozen=True, slots=True)
-class _Sent:
-    """A row sent to a pipelining publisher: its acknowledgement (cancel it to give up) and the
-    Outcome, set once the attempt is over (never an exception)."""
-
-    ack: asyncio.Future[Any]
-    outcome: asyncio.Future[Outcome]
 
 
 def new_owner() -> str:
@@ -330,38 +324,41 @@ class OutboxWorker:
         started = time.monotonic()
         budget = self.options.lane_budget_s
         untried: list[ClaimedRow] = []
+        # A room whose every row goes to one and the same pipelining publisher joins the batch's
+        # one pipeline (rows sent without waiting for each other's acknowledgement, the publisher
+        # keeping their order); every other room is a lane, published row after row.
+        piped: list[list[tuple[ClaimedRow, str, Any]]] = []
+        plain: list[list[ClaimedRow]] = []
+        for room_rows in lanes.values():
+            first = self._pipelined(room_rows[0])
+            if first is not None and all(self._pipelined(r) == first for r in room_rows[1:]):
+                piped.append([(r, *first) for r in room_rows])
+            else:
+                plain.append(room_rows)
 
         async def lane(room_rows: list[ClaimedRow]) -> list[Outcome]:
-            # a lane is published row after row: a busy room's backlog must not hold the batch,
-            # so past MAX_ROOM_LANE rows it stops once the batch is lane_budget_s old. A row
-            # whose one target pipelines is sent without waiting for the earlier rows'
-            # acknowledgements (the publisher keeps the order of what it was sent); any other
-            # row waits for them, as it waits for the row before it.
+            # a busy room's backlog must not hold the batch: past MAX_ROOM_LANE rows the lane
+            # stops once the batch is lane_budget_s old
             outcomes: list[Outcome] = []
-            sent: list[_Sent] = []
-            try:
-                for n, row in enumerate(room_rows):
-                    if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
-                        untried.extend(room_rows[n:])
-                        break
-                    # a room's only row gains nothing from pipelining: it takes the plain path
-                    pipelined = self._pipelined(row) if len(room_rows) > 1 else None
-                    if pipelined is None and sent:
-                        outcomes.extend([await s.outcome for s in sent])
-                        sent = []
-                    await semaphore.acquire()
-                    if pipelined is None:
-                        try:
-                            outcomes.append(await self.deliver(row))
-                        finally:
-                            semaphore.release()
-                    else:
-                        sent.append(await self._send(row, *pipelined, semaphore.release))
-                outcomes.extend([await s.outcome for s in sent])
-            finally:
-                for s in sent:  # cancelled: let go of the acknowledgements still outstanding
-                    s.ack.cancel()
+            for n, row in enumerate(room_rows):
+                if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
+                    untried.extend(room_rows[n:])
+                    break
+                async with semaphore:
+                    outcomes.append(await self.deliver(row))
             return outcomes
+
+        async def pipeline() -> list[Outcome]:
+            # round robin over the rooms: every room's first row, then every second row...; the
+            # rows of one room keep their order, and past MAX_ROOM_LANE rows a room's backlog
+            # waits for a later batch as a lane's does
+            order = [
+                (*room_rows[depth], depth)
+                for depth in range(max(map(len, piped)))
+                for room_rows in piped
+                if depth < len(room_rows)
+            ]
+            return await _Pipeline(self, semaphore).run(order, started, untried)
 
         # the claims are extended only by a batch that outlives a third of the lease: no task
         # of its own for the others (almost all), only a timer
@@ -373,21 +370,26 @@ class OutboxWorker:
 
         timer = asyncio.get_running_loop().call_later(self.options.extend_every_s, keep)
         try:
-            if len(lanes) == 1:  # one room: its lane awaited here, no task of its own
-                per_room = [await lane(next(iter(lanes.values())))]
+            per_room: list[list[Outcome]] = []
+            if not plain:
+                per_room.append(await pipeline())
+            elif len(plain) == 1 and not piped:  # one room: its lane awaited here, no task of its own
+                per_room.append(await lane(plain[0]))
             else:
                 # publish_concurrency runners take the lanes in turn (a task per runner, not per
                 # room): at most that many rows are attempted at once either way, so a batch of
                 # many one-row rooms no longer parks a task per room on the semaphore
-                waiting = iter(list(lanes.values()))
-                per_room = []
+                waiting = iter(plain)
 
                 async def runner() -> None:
                     for room_rows in waiting:
                         per_room.append(await lane(room_rows))
 
-                runners = min(self.options.publish_concurrency, len(lanes))
-                await asyncio.gather(*(runner() for _ in range(runners)))
+                async def piper() -> None:
+                    per_room.append(await pipeline())
+
+                runners = [runner() for _ in range(min(self.options.publish_concurrency, len(plain)))]
+                await asyncio.gather(*runners, *([piper()] if piped else []))
         finally:
             timer.cancel()
             for task in keeper:
@@ -547,82 +549,32 @@ class OutboxWorker:
             return None
         return needed[0], publisher
 
-    async def _send(self, row: ClaimedRow, target: str, publisher: Any, release: Callable[[], None]) -> _Sent:
-        """Send ``row`` to a pipelining publisher: once this returns it is queued behind the rows
-        sent before it. ``release`` runs once its attempt is over (acknowledged, failed, or past
-        ``publish_timeout``, whichever comes first); ``_Sent.outcome`` then holds its Outcome."""
-        loop = asyncio.get_running_loop()
-        outcome: asyncio.Future[Outcome] = loop.create_future()
-        started = time.perf_counter()
-        timeout = self.options.publish_timeout_s
-        deadline = loop.time() + timeout
-        with log_context(event_id=row.event_id):
-            try:
-                _check_envelope(row.payload)
-            except Exception as exc:  # an undecodable row can never be delivered
-                release()
-                outcome.set_result(
-                    Outcome(row, row.targets_done, delivered=False, permanent=True, error=f"undecodable: {exc!r}")
-                )
-                return _Sent(outcome, outcome)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    ack: asyncio.Future[None] = await publisher.send_claimed(
-                        event_id=row.event_id,
-                        event_type=row.event_type,
-                        app_code=row.app_code,
-                        room_id=row.room_id,
-                        payload=row.payload,
-                    )
-            except asyncio.CancelledError:
-                release()
-                raise
-            except Exception as exc:
-                release()
-                outcome.set_result(self._attempted(row, target, started, exc))
-                return _Sent(outcome, outcome)
-
-        def expire() -> None:  # the attempt's deadline: no acknowledgement by then is a timeout
-            if not ack.done():
-                ack.cancel()
-
-        timer = loop.call_at(deadline, expire)
-
-        def acknowledged(done: asyncio.Future[None]) -> None:
-            timer.cancel()
-            release()
-            if done.cancelled():
-                error: BaseException | None = TimeoutError()
-            else:
-                error = done.exception()
-            outcome.set_result(self._attempted(row, target, started, error))
-
-        ack.add_done_callback(acknowledged)
-        return _Sent(ack, outcome)
-
-    def _attempted(self, row: ClaimedRow, target: str, started: float, error: BaseException | None) -> Outcome:
-        """The Outcome of a pipelined attempt at ``row``'s one target (counted as ``_publish`` counts)."""
-        result = self._result(target, started, error)
+    def _outcome(self, row: ClaimedRow, target: str, result: tuple[bool, str] | None) -> Outcome:
+        """The Outcome of an attempt at ``row``'s one target that ended with ``result``."""
         if result is None:
             return Outcome(row, row.targets_done | {target}, delivered=True)
         permanent, message = result
         return Outcome(row, row.targets_done, delivered=False, permanent=permanent, error=f"{target}: {message}")
 
+    def _classify(self, error: BaseException | None) -> tuple[str, tuple[bool, str] | None]:
+        """An attempt's end as (metric outcome, None on success or (permanent, message))."""
+        if error is None:
+            return "ok", None
+        if isinstance(error, TimeoutError):
+            return "timeout", (False, f"timed out after {self.options.publish_timeout_s:g}s")
+        if isinstance(error, PublishError):
+            return ("retryable" if error.retryable else "permanent"), (
+                not error.retryable,
+                str(error) or type(error).__name__,
+            )
+        return "retryable", (False, repr(error))  # a publisher bug is retried, like an outage
+
     def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
         """An attempt's end: None on success, else (permanent, message); beats and counts it."""
-        timeout = self.options.publish_timeout_s
-        if error is None:
-            outcome, result = "ok", None
-        elif isinstance(error, TimeoutError):
-            outcome, result = "timeout", (False, f"timed out after {timeout:g}s")
-        elif isinstance(error, PublishError):
-            outcome = "retryable" if error.retryable else "permanent"
-            result = (not error.retryable, str(error) or type(error).__name__)
-        else:  # a publisher bug is retried, like an outage
-            outcome, result = "retryable", (False, repr(error))
+        outcome, result = self._classify(error)
         self._beat()
         _count_delivery(target, outcome)
-        _observe_publish(target, time.perf_counter() - started)
+        _publish_seconds(target).observe(time.perf_counter() - started)
         return result
 
     async def _publish(
@@ -659,12 +611,13 @@ class OutboxWorker:
         now = self.clock()
         delivered: list[Delivered] = []
         retries: list[RetryDecision] = []
+        ages: list[float] = []
         for outcome in outcomes:
             row = outcome.row
             targets = format_targets(outcome.targets_done)
             if outcome.delivered:
                 delivered.append(Delivered(row.id, targets))
-                OUTBOX_COMMIT_TO_DELIVERED_SECONDS.observe(max(0, now - row.created_at_ms) / 1000)
+                ages.append(max(0, now - row.created_at_ms) / 1000)
                 continue
             attempts = row.retry_count + 1
             dead = outcome.permanent or self.policy.exhausted(attempts)
@@ -684,9 +637,149 @@ class OutboxWorker:
                 targets_done=targets,
                 error=outcome.error,
             )
+        observe_many(OUTBOX_COMMIT_TO_DELIVERED_SECONDS, ages)
         _FINISHED["delivered"].inc(len(delivered))
         if retries:
             failed = sum(1 for r in retries if r.failed)
             _FINISHED["failed"].inc(failed)
             _FINISHED["retryable"].inc(len(retries) - failed)
         return _Finish(now, delivered, retries)
+
+
+# A pipeline's sends share one asyncio timeout, moved to the current send's deadline at most this
+# often (moving it costs a timer): a send may so be cut up to this much before its own deadline.
+_BOUND_GRAIN_S = 0.01
+
+
+class _Pipeline:
+    """One batch's rows to pipelining publishers (see the module doc): each row is sent once the
+    one before it was (the publisher keeps their order) without waiting for its acknowledgement,
+    at most ``publish_concurrency`` attempts at once with the batch's lanes, each attempt bounded
+    by its own ``publish_timeout``.
+
+    Per row this costs a send and a done callback: the acknowledgements' deadlines (in send order,
+    so in deadline order) share one timer that fires only when the earliest outstanding one is
+    due; the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the batch's publish latencies
+    and outcome counts go to the metrics once, at its end."""
+
+    def __init__(self, worker: OutboxWorker, semaphore: asyncio.Semaphore) -> None:
+        self.worker = worker
+        self.semaphore = semaphore
+        self.loop = asyncio.get_running_loop()
+        self.timeout = worker.options.publish_timeout_s
+        self.outcomes: list[Outcome] = []
+        self.sent: deque[tuple[float, asyncio.Future[Any]]] = deque()  # (deadline, acknowledgement)
+        self.outstanding = 0
+        self.idle: asyncio.Future[None] | None = None  # set when the last acknowledgement is in
+        self.expiry: asyncio.TimerHandle | None = None
+        self.counts: dict[tuple[str, str], int] = {}
+        self.latencies: dict[str, list[float]] = {}
+
+    async def run(
+        self, order: list[tuple[ClaimedRow, str, Any, int]], started: float, untried: list[ClaimedRow]
+    ) -> list[Outcome]:
+        """``order``: (row, target, publisher, the row's place in its room), in send order."""
+        try:
+            await self._send_all(order, started, untried)
+            if self.outstanding:
+                self.idle = self.loop.create_future()
+                await self.idle
+        finally:
+            if self.expiry is not None:
+                self.expiry.cancel()
+            for _, ack in self.sent:  # cancelled: let go of the acknowledgements still outstanding
+                ack.cancel()
+            for (target, outcome), n in self.counts.items():
+                _count_delivery(target, outcome, n)
+            for target, seconds in self.latencies.items():
+                observe_many(_publish_seconds(target), seconds)
+        return self.outcomes
+
+    async def _send_all(
+        self, order: list[tuple[ClaimedRow, str, Any, int]], started: float, untried: list[ClaimedRow]
+    ) -> None:
+        worker, loop, semaphore = self.worker, self.loop, self.semaphore
+        budget = worker.options.lane_budget_s
+        i, n = 0, len(order)
+        while i < n:
+            sending = False
+            t0 = 0.0
+            try:
+                async with asyncio.timeout(None) as bound:
+                    moved = float("-inf")
+                    while i < n:
+                        row, target, publisher, depth = order[i]
+                        if depth >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
+                            untried.extend(r for r, *_ in order[i:])  # sent round robin: the rest are all this deep
+                            i = n
+                            break
+                        try:
+                            _check_envelope(row.payload)
+                        except Exception as exc:  # an undecodable row can never be delivered
+                            self.outcomes.append(
+                                Outcome(row, row.targets_done, False, permanent=True, error=f"undecodable: {exc!r}")
+                            )
+                            i += 1
+                            continue
+                        await semaphore.acquire()
+                        now = loop.time()
+                        if now - moved >= _BOUND_GRAIN_S:
+                            bound.reschedule(now + self.timeout)
+                            moved = now
+                        sending, t0 = True, time.perf_counter()
+                        try:
+                            ack = await publisher.send_claimed(
+                                event_id=row.event_id,
+                                event_type=row.event_type,
+                                app_code=row.app_code,
+                                room_id=row.room_id,
+                                payload=row.payload,
+                            )
+                        except Exception as exc:
+                            semaphore.release()
+                            self.outcomes.append(self._ended(row, target, t0, exc))
+                        else:
+                            self.outstanding += 1
+                            ack.add_done_callback(partial(self._acknowledged, row, target, t0))
+                            deadline = now + self.timeout
+                            self.sent.append((deadline, ack))
+                            if self.expiry is None:
+                                self.expiry = loop.call_at(deadline, self._expire)
+                        sending = False
+                        i += 1
+            except TimeoutError:
+                if sending:  # the send itself ran out of time
+                    semaphore.release()
+                    self.outcomes.append(self._ended(order[i][0], order[i][1], t0, TimeoutError()))
+                    i += 1
+                # else it waited for a free place past the shared bound: the row goes again under a new one
+
+    def _ended(self, row: ClaimedRow, target: str, t0: float, error: BaseException | None) -> Outcome:
+        outcome, result = self.worker._classify(error)
+        self.worker._beat()
+        key = (target, outcome)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        latencies = self.latencies.get(target)
+        if latencies is None:
+            latencies = self.latencies[target] = []
+        latencies.append(time.perf_counter() - t0)
+        return self.worker._outcome(row, target, result)
+
+    def _acknowledged(self, row: ClaimedRow, target: str, t0: float, ack: asyncio.Future[Any]) -> None:
+        self.semaphore.release()
+        error = TimeoutError() if ack.cancelled() else ack.exception()
+        self.outcomes.append(self._ended(row, target, t0, error))
+        self.outstanding -= 1
+        if not self.outstanding and self.idle is not None and not self.idle.done():
+            self.idle.set_result(None)
+
+    def _expire(self) -> None:
+        """The earliest outstanding deadline is due: give up every acknowledgement past its own."""
+        self.expiry = None
+        now = self.loop.time()
+        sent = self.sent
+        while sent and (sent[0][1].done() or sent[0][0] <= now):
+            _, ack = sent.popleft()
+            ack.cancel()  # its callback counts it as a timeout
+        if sent:
+            self.expiry = self.loop.call_at(sent[0][0], self._expire)
