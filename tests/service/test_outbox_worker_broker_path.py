@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import sqlalchemy as sa
 from tests.service.conftest import T0, Clock
 from tests.service.test_outbox_worker import JOINED, insert_rows, make_event, row
 
 from roomservice.brokers.fake import FakeBroker
+from roomservice.brokers.port import BrokerError, BrokerUnavailable, OutgoingMessage
 from roomservice.outbox.model import BROKER, PublishMode
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.sql import SqlOutboxRepository
@@ -79,3 +82,40 @@ async def test_a_hung_broker_times_out_by_the_workers_deadline(database: Databas
     await mq_worker(database, clock, broker, publish_timeout_s=0.2).run_once()
     r = await row(database, ev.event_id)
     assert r.status == "retryable" and "timed out after 0.2s" in r.last_error and r.targets_done == ""
+
+
+class PipeliningFakeBroker(FakeBroker):
+    """The fake broker with the pipelined ``send``: the acknowledgement of a message whose key is
+    in ``fail`` fails with that broker error, every other one succeeds at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail: dict[str, Exception] = {}
+
+    async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:
+        ack: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        if message.key in self.fail:
+            ack.set_exception(self.fail[message.key])
+        else:
+            ack.set_result(await self.publish(message, timeout_s=None))
+        return ack
+
+
+async def test_a_pipelined_acknowledgement_failing_with_a_broker_error_ends_as_the_publisher_says(
+    database: Database, clock: Clock
+) -> None:
+    """The worker turns the broker's own error into the publisher port's (retry or dead letter)."""
+    ok, down, refused = (make_event(JOINED, room=f"r{n}") for n in range(3))
+    await insert_rows(database, ok, down, refused)
+    broker = PipeliningFakeBroker()
+    broker.fail[down.event_id] = BrokerUnavailable("reconnecting")
+    broker.fail[refused.event_id] = BrokerError("message too large")
+    worker = mq_worker(database, clock, broker)
+    assert worker.publishers.get(BROKER).pipelined  # type: ignore[union-attr]
+    await worker.run_once()
+    assert (await row(database, ok.event_id)).status == "delivered"
+    r = await row(database, down.event_id)
+    assert (r.status, r.retry_count) == ("retryable", 1)
+    assert r.last_error == "broker: broker fake unavailable: reconnecting"
+    r = await row(database, refused.event_id)
+    assert (r.status, r.last_error) == ("failed", "broker: broker fake refused the event: message too large")

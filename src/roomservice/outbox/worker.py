@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
@@ -68,7 +68,7 @@ from roomservice.outbox.model import ClaimedRow, Outcome, PublishMode, format_ta
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.repository import Delivered, OutboxRepository, RetryDecision
 from roomservice.proto import room_outbox_event_pb2 as pb
-from roomservice.publishers.port import Publisher, PublishError, PublisherSet
+from roomservice.publishers.port import PipeliningPublisher, Publisher, PublishError, PublisherSet
 from roomservice.wire import decode_event
 
 _log = get_logger("roomservice.outbox")
@@ -327,7 +327,7 @@ class OutboxWorker:
         # A room whose every row goes to one and the same pipelining publisher joins the batch's
         # one pipeline (rows sent without waiting for each other's acknowledgement, the publisher
         # keeping their order); every other room is a lane, published row after row.
-        piped: list[list[tuple[ClaimedRow, str, Any]]] = []
+        piped: list[list[tuple[ClaimedRow, str, PipeliningPublisher]]] = []
         plain: list[list[ClaimedRow]] = []
         for room_rows in lanes.values():
             first = self._pipelined(room_rows[0])
@@ -536,7 +536,7 @@ class OutboxWorker:
                 permanent = permanent or error[0]
         return Outcome(row, frozenset(done), delivered=False, permanent=permanent, error="; ".join(errors))
 
-    def _pipelined(self, row: ClaimedRow) -> tuple[str, Any] | None:
+    def _pipelined(self, row: ClaimedRow) -> tuple[str, PipeliningPublisher] | None:
         """(target, publisher) when the row needs one target whose publisher pipelines, else None
         (tracing on: every row takes the traced path)."""
         if tracing.ENABLED:
@@ -547,7 +547,7 @@ class OutboxWorker:
         publisher = self.publishers.get(needed[0])
         if publisher is None or not getattr(publisher, "pipelined", False):
             return None
-        return needed[0], publisher
+        return needed[0], cast(PipeliningPublisher, publisher)
 
     def _outcome(self, row: ClaimedRow, target: str, result: tuple[bool, str] | None) -> Outcome:
         """The Outcome of an attempt at ``row``'s one target that ended with ``result``."""
@@ -676,7 +676,7 @@ class _Pipeline:
         self.latencies: dict[str, list[float]] = {}
 
     async def run(
-        self, order: list[tuple[ClaimedRow, str, Any, int]], started: float, untried: list[ClaimedRow]
+        self, order: list[tuple[ClaimedRow, str, PipeliningPublisher, int]], started: float, untried: list[ClaimedRow]
     ) -> list[Outcome]:
         """``order``: (row, target, publisher, the row's place in its room), in send order."""
         try:
@@ -696,7 +696,7 @@ class _Pipeline:
         return self.outcomes
 
     async def _send_all(
-        self, order: list[tuple[ClaimedRow, str, Any, int]], started: float, untried: list[ClaimedRow]
+        self, order: list[tuple[ClaimedRow, str, PipeliningPublisher, int]], started: float, untried: list[ClaimedRow]
     ) -> None:
         worker, loop, semaphore = self.worker, self.loop, self.semaphore
         budget = worker.options.lane_budget_s
@@ -740,7 +740,7 @@ class _Pipeline:
                             self.outcomes.append(self._ended(row, target, t0, exc))
                         else:
                             self.outstanding += 1
-                            ack.add_done_callback(partial(self._acknowledged, row, target, t0))
+                            ack.add_done_callback(partial(self._acknowledged, row, target, publisher, t0))
                             deadline = now + self.timeout
                             self.sent.append((deadline, ack))
                             if self.expiry is None:
@@ -765,9 +765,13 @@ class _Pipeline:
         latencies.append(time.perf_counter() - t0)
         return self.worker._outcome(row, target, result)
 
-    def _acknowledged(self, row: ClaimedRow, target: str, t0: float, ack: asyncio.Future[Any]) -> None:
+    def _acknowledged(
+        self, row: ClaimedRow, target: str, publisher: PipeliningPublisher, t0: float, ack: asyncio.Future[Any]
+    ) -> None:
         self.semaphore.release()
         error = TimeoutError() if ack.cancelled() else ack.exception()
+        if error is not None and not isinstance(error, TimeoutError):
+            error = publisher.failure(error)
         self.outcomes.append(self._ended(row, target, t0, error))
         self.outstanding -= 1
         if not self.outstanding and self.idle is not None and not self.idle.done():

@@ -15,7 +15,6 @@ from typing import NoReturn, cast
 from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage, PipelinedBroker
 from roomservice.domain.events import Event
 from roomservice.domain.routing import Target
-from roomservice.futures import relay
 from roomservice.observability import tracing
 from roomservice.publishers.port import PermanentError, RetryableError
 
@@ -85,20 +84,21 @@ class BrokerPublisher:
 
     async def send_claimed(
         self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes
-    ) -> asyncio.Future[None]:
-        """The pipelined form of :meth:`publish_claimed` (only when :attr:`pipelined`): once this
-        returns, the message goes before any sent after it; the future is its acknowledgement,
-        failing with :class:`PublishError`. No deadline of its own: the caller bounds the wait
-        and cancels the future to give up."""
+    ) -> asyncio.Future[str]:
+        """The pipelined form of :meth:`publish_claimed` (only when :attr:`pipelined`, see
+        :class:`~roomservice.publishers.port.PipeliningPublisher`): once this returns, the message
+        goes before any sent after it. The future is the broker's own acknowledgement (the message
+        id), failing with the broker's error: :meth:`failure` converts it (the worker does, once
+        the attempt is over), so no second future follows the broker's. No deadline of its own:
+        the caller bounds the wait and cancels the future to give up."""
         if not self._pipelined:
             raise TypeError(f"broker {self.broker.name} does not pipeline publishes")
         broker = cast(PipelinedBroker, self.broker)
         message = self._message(event_id, event_type, app_code, room_id, payload, None)
         try:
-            ack = await broker.send(message)
+            return await broker.send(message)
         except Exception as exc:
             self._reraise(exc)
-        return relay(ack, _nothing, self._failure)
 
     def _message(
         self,
@@ -125,12 +125,12 @@ class BrokerPublisher:
             self._reraise(exc)
 
     def _reraise(self, exc: Exception) -> NoReturn:
-        failure = self._failure(exc)
+        failure = self.failure(exc)
         if failure is exc:
             raise exc
         raise failure from exc
 
-    def _failure(self, exc: BaseException) -> BaseException:
+    def failure(self, exc: BaseException) -> BaseException:
         """The publisher port's error for what the broker raised (``exc`` itself when it passes)."""
         if isinstance(exc, BrokerUnavailable):
             return RetryableError(f"broker {self.broker.name} unavailable: {exc}")
@@ -143,6 +143,3 @@ class BrokerPublisher:
         # refused for good (name, size): a dead letter, not a retry loop
         return PermanentError(f"broker {self.broker.name} refused the event: {exc}")
 
-
-def _nothing(_message_id: str) -> None:
-    return None

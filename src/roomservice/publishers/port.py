@@ -12,9 +12,10 @@ table and the publish mode.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from roomservice import errors
 from roomservice.domain.events import Event
@@ -44,6 +45,28 @@ class Publisher(Protocol):
         """Deliver ``event`` (``payload`` is its protobuf envelope) before ``deadline``
         (``loop.time()`` seconds); raise :class:`PublishError` when it was not delivered.
         Delivering twice must be harmless: consumers deduplicate by event_id."""
+        ...
+
+
+class PipeliningPublisher(Publisher, Protocol):
+    """A publisher that can also take a claimed row without waiting for its acknowledgement
+    (``pipelined`` true: its target keeps the order of what it was sent). The outbox worker
+    uses it for a batch's rows that need this one target."""
+
+    pipelined: bool
+
+    async def send_claimed(
+        self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes
+    ) -> asyncio.Future[Any]:
+        """Queue the row; once this returns it goes before any row sent after it. The future is
+        the acknowledgement: done when the target holds the row, failing with the target's own
+        error, which :meth:`failure` turns into a :class:`PublishError` (one future per row, not
+        one per layer). No deadline of its own: the caller bounds the wait and cancels the
+        future to give up."""
+        ...
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """The publisher port's error for what an acknowledgement failed with."""
         ...
 
 
