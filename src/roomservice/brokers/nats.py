@@ -49,7 +49,10 @@ in the background; a publish has its timeout; while disconnected, or when the
 server does not answer in time, calls raise :class:`BrokerUnavailable`.
 ``send`` is the pipelined publish (the outbox worker's, for a room's rows): the
 message is queued on the connection, in call order, and its PubAck comes as a
-future (nats-py's ``publish_async``), bounded by the caller.
+future, bounded by the caller. Every publish (``publish`` too) is the adapter's
+own: a core publish with a reply subject under one wildcard subscription of
+acknowledgements (see ``NatsBroker._put``); outstanding acknowledgements fail
+with ``BrokerUnavailable`` when the connection is lost or the broker closed.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -66,6 +70,7 @@ from typing import Any
 import nats
 import nats.errors
 import nats.js.errors
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
@@ -81,7 +86,6 @@ from roomservice.brokers.port import (
 )
 from roomservice.clock import wall_clock_ms
 from roomservice.config import NatsConfig
-from roomservice.futures import relay
 from roomservice.observability.logging import get_logger
 
 _log = get_logger("roomservice.brokers.nats")
@@ -100,6 +104,7 @@ H_DEAD_SEQ = "Roomservice-Dead-Stream-Seq"
 H_DEAD_AT = "Roomservice-Dead-At-Ms"
 H_DEAD_GROUP = "Roomservice-Dead-Group"
 _MSG_ID = "Nats-Msg-Id"
+_EXPECTED_STREAM = "Nats-Expected-Stream"  # refused (400) unless the subject's stream is ours
 _OURS = "Roomservice-"
 _THEIRS = "Nats-"
 
@@ -108,10 +113,17 @@ _MOVER = "delay_mover__"
 _TOKEN = re.compile(r"^[^\s.*>]+$")  # one subject token / a consumer name
 _DEFAULT_ACK_WAIT_S = 30.0
 _SEEN_LIMIT = 100_000
+# Outstanding acknowledgements at most: the outbox worker has publish_concurrency of them;
+# beyond this a caller is not giving up on them (a publish then fails, retryably).
+_ACKS_LIMIT = 65_536
 # A nak's delay does not survive a server restart: the held message then comes back
 # after ack_wait from its last delivery, so the mover's is short (each hold is a nak
 # again, and a move repeated by a second mover is stored once).
 _MOVER_ACK_WAIT_S = 2.0
+
+
+class _NoStream(BrokerUnavailable):
+    """JetStream's "no responders" to a publish: no stream (any more) on its subject."""
 
 
 class _Puller:
@@ -220,10 +232,15 @@ class NatsBroker:
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream(timeout=op_timeout_s)
-        # Publishes go through a context without a timeout of its own: each caller bounds
-        # the whole call (stream binding, the write, the PubAck) with one asyncio deadline,
-        # so nats-py adds no second timer per message.
-        self._js_pub = nc.jetstream(timeout=None)
+        # Publishes (``_put``): the acknowledgements' wildcard subscription (made by the first
+        # publish), the outstanding ones by token, and the counter the tokens come from (the
+        # inbox prefix is unique to this broker, so a counter is unique enough). No timer per
+        # message: each caller bounds its wait with its own deadline.
+        self._ack_prefix: str | None = None
+        self._ack_sub: Any = None
+        self._ack_lock = asyncio.Lock()
+        self._acks: dict[str, asyncio.Future[str]] = {}
+        self._ack_counter = 0
         self._config = config
         self.stream = config.stream
         self.dlq_stream = f"{config.stream}_dlq"
@@ -261,10 +278,9 @@ class NatsBroker:
             async with asyncio.timeout(timeout_s):  # the one deadline of this publish (None: the caller's)
                 if subjects[0] not in known or subjects[1] not in known:
                     await self._ensure_subjects(self.stream, subjects)
-                ack = await self._publish(subject, message.body, headers, stream=self.stream)
+                return await self._publish(subject, message.body, headers, stream=self.stream)
         except TimeoutError:
             raise BrokerUnavailable(f"NATS did not acknowledge the publish {within(timeout_s)}") from None
-        return str(ack.seq)
 
     async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:
         """Pipelined publish: queue ``message`` on the connection and return the future of its
@@ -275,23 +291,116 @@ class NatsBroker:
         ``send`` after ``send`` keeps its order while the acknowledgements are outstanding.
         The future fails as :meth:`publish` fails (``BrokerUnavailable``, ``BrokerError``),
         except that a stream that lost the subject is not repaired inline: that message is
-        ``BrokerUnavailable`` and the next call binds the subject again. The future has no
-        deadline: the caller bounds its wait and cancels it to give up (which frees its
-        place in nats-py's table of outstanding acknowledgements)."""
+        ``BrokerUnavailable`` and the next call binds the subject again. It also fails
+        (``BrokerUnavailable``) when the connection is lost or the broker closed before the
+        acknowledgement came (see :meth:`_connection_lost`). The future has no deadline: the
+        caller bounds its wait and cancels it to give up (which frees its place in the table
+        of outstanding acknowledgements)."""
         self._check_connected()
         subjects, subject, headers = self._outgoing(message)
         known = self._subjects[self.stream]
         if subjects[0] not in known or subjects[1] not in known:
             await self._ensure_subjects(self.stream, subjects)
-        with _mapped():
-            ack = await self._js_pub.publish_async(subject, message.body, headers=headers, stream=self.stream)
-        return relay(ack, _message_id, self._send_failure)
+        return await self._put(subject, message.body, headers, self.stream)
 
-    def _send_failure(self, exc: BaseException) -> BaseException:
-        if isinstance(exc, nats.js.errors.NoStreamResponseError):  # no stream on the subject (any more)
-            self._subjects[self.stream].clear()
-            return BrokerUnavailable(f"NATS: no stream took the message (bound again on the next publish): {exc!r}")
-        return _port_error(exc) if isinstance(exc, Exception) else exc
+    # ------------------------------------------------------------------ acknowledgements
+    #
+    # Our own JetStream publish: a plain core-NATS publish whose reply subject is
+    # <our inbox prefix>.<token>, JetStream answering each with a PubAck (or an error,
+    # or a 503 status when no stream listens on the subject) on the one wildcard
+    # subscription. Not nats-py's publish_async / publish: per message they pay a
+    # semaphore under wait_for, a NUID plus os.urandom token, a dataclass built from
+    # the reply, and (publish) a request future with a timer; here it is a counter,
+    # a future in a dict and a JSON parse, the one cost that matters for the outbox
+    # worker's rows (bench.mq_drain).
+
+    async def _put(self, subject: str, body: bytes, headers: dict[str, str], stream: str) -> asyncio.Future[str]:
+        """Write one JetStream publish on the connection (in call order) and return the future
+        of its message id. ``headers`` is the caller's own dict (the expected-stream header is
+        added to it). Raises the port's error when nats-py refuses the message itself."""
+        prefix = self._ack_prefix or await self._subscribe_acks()
+        acks = self._acks
+        if len(acks) >= _ACKS_LIMIT:  # callers that never give up: a bound, not a queue
+            raise BrokerUnavailable(f"NATS: {len(acks)} publishes wait for their acknowledgement")
+        self._ack_counter += 1
+        token = str(self._ack_counter)
+        ack: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        acks[token] = ack
+        # pop(token, ack): a cancelled (given up) publish lets go of its entry; an answered one
+        # was popped by the handler already. A C-level callback, no Python frame.
+        ack.add_done_callback(functools.partial(acks.pop, token))
+        headers[_EXPECTED_STREAM] = stream
+        try:
+            await self._nc.publish(subject, body, reply=prefix + token, headers=headers)
+        except BaseException as exc:  # refused by nats-py, or the caller cancelled while it flushed
+            acks.pop(token, None)
+            ack.cancel()
+            mapped = _port_error(exc) if isinstance(exc, Exception) else exc
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        return ack
+
+    async def _subscribe_acks(self) -> str:
+        """The wildcard subscription every acknowledgement comes to (the first publish makes it)."""
+        async with self._ack_lock:
+            if self._ack_prefix is None:
+                prefix = f"{self._nc.new_inbox()}."
+                with _mapped():
+                    # A cb subscription: nats-py's reader queues the replies and one task runs
+                    # _acknowledged for each in turn, without suspending while replies are
+                    # queued. (Its ``future=`` subscriptions are resolved inline, but they are
+                    # meant for one reply; using one for many would rely on nats-py internals.)
+                    self._ack_sub = await self._nc.subscribe(prefix + "*", cb=self._acknowledged)
+                self._ack_prefix = prefix
+            return self._ack_prefix
+
+    async def _acknowledged(self, msg: Msg) -> None:
+        """One JetStream answer: resolve its publish's future (one already given up on is gone: ignored)."""
+        ack = self._acks.pop(msg.subject[len(self._ack_prefix or "") :], None)
+        if ack is None or ack.done():
+            return
+        data = msg.data
+        if not data:  # a status only: 503 is "no responders", no stream bound to the subject
+            status = msg.headers.get("Status", "") if msg.headers else ""
+            if status == "503":
+                for known in self._subjects.values():  # bound again on the next publish
+                    known.clear()
+                ack.set_exception(_NoStream("NATS: no stream took the message (bound again on the next publish)"))
+            else:
+                ack.set_exception(BrokerUnavailable(f"NATS answered the publish with status {status or '-'}"))
+            return
+        try:
+            answer = orjson.loads(data)
+            error = answer.get("error")  # first: a refusal carries "stream" and "seq": 0 as well
+            seq = answer.get("seq")
+        except (orjson.JSONDecodeError, AttributeError):
+            error = seq = None
+        if error is None and isinstance(seq, int) and seq > 0:
+            ack.set_result(str(seq))
+        elif isinstance(error, dict):
+            ack.set_exception(_refusal(error))
+        else:
+            ack.set_exception(BrokerUnavailable(f"NATS answered the publish with {data[:200]!r}"))
+
+    def _connection_lost(self, why: str) -> None:
+        """Fail every outstanding acknowledgement with BrokerUnavailable (disconnected or closed).
+
+        An acknowledgement of a message written on a lost connection never comes: JetStream
+        answers on the reply subject, and the connection that listened is gone (the
+        re-subscription after the reconnect is new interest; nothing is re-sent to it).
+        Waiting would only hold the caller until its own timeout, and the outbox worker's
+        concurrency slot with it. A message that was stored, or that nats-py still held in its
+        buffer and writes after the reconnect, is stored once all the same: the retry carries
+        the same Nats-Msg-Id inside the duplicate window and is answered with the first copy's
+        sequence. Publishes made after this, while reconnecting, are answered normally."""
+        if not self._acks:
+            return
+        outstanding = list(self._acks.values())
+        self._acks.clear()
+        for ack in outstanding:
+            if not ack.done():
+                ack.set_exception(BrokerUnavailable(f"NATS: {why} before the publish was acknowledged"))
 
     def _outgoing(self, message: OutgoingMessage) -> tuple[tuple[str, str], str, dict[str, str]]:
         """The topic's (subject, delayed subject), the subject to publish on, and the headers."""
@@ -323,25 +432,20 @@ class NatsBroker:
         pair = self._topic_subjects[topic] = (subject, f"{subject}.delayed")
         return pair
 
-    async def _publish(self, subject: str, body: bytes, headers: dict[str, str], *, stream: str) -> api.PubAck:
-        """Publish and wait for the PubAck; rebinds the subject once if the stream lost it (a racing update).
+    async def _publish(self, subject: str, body: bytes, headers: dict[str, str], *, stream: str) -> str:
+        """Publish, wait for the acknowledgement and return the message id; rebinds the subject
+        once if the stream lost it (a racing update).
 
-        No timeout here: every caller holds one around the call. ``headers`` is the
-        caller's own dict (nats-py adds the expected-stream header to it)."""
+        No timeout here: every caller holds one around the call (its cancellation frees the
+        outstanding acknowledgement). ``headers`` is the caller's own dict."""
         try:
-            return await self._js_pub.publish(subject, body, headers=headers, stream=stream)
-        except nats.js.errors.NoStreamResponseError as exc:
+            return await (await self._put(subject, body, headers, stream))
+        except _NoStream:
             if not self._nc.is_connected:
-                raise _port_error(exc) from exc
-        except Exception as exc:
-            mapped = _port_error(exc)
-            if mapped is exc:
                 raise
-            raise mapped from exc
-        with _mapped():
-            self._subjects[stream].clear()
-            await self._ensure_subjects(stream, [subject])
-            return await self._js_pub.publish(subject, body, headers=headers, stream=stream)
+        self._subjects[stream].clear()
+        await self._ensure_subjects(stream, [subject])
+        return await (await self._put(subject, body, headers, stream))
 
     # ------------------------------------------------------------------ groups
 
@@ -640,6 +744,7 @@ class NatsBroker:
 
     async def close(self) -> None:
         self._closed = True
+        self._connection_lost("the broker was closed")
         for task in self._movers.values():
             task.cancel()
         for task in self._movers.values():
@@ -801,8 +906,12 @@ async def open_nats_broker(
         raise BrokerError(f"subject prefix {subject_prefix!r} is not a valid NATS subject")
     connect_timeout = config.connect_timeout.total_seconds()
 
+    lost: list[Callable[[str], None]] = []  # the broker's, once made (nats-py needs the callback first)
+
     async def disconnected() -> None:
         _log.warning("broker_nats_disconnected")
+        for fail in lost:
+            fail("the connection was lost")
 
     async def reconnected() -> None:
         _log.info("broker_nats_reconnected")
@@ -827,7 +936,7 @@ async def open_nats_broker(
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise BrokerUnavailable(f"cannot connect to NATS at {config.url}: {exc!r}") from exc
-    return NatsBroker(
+    broker = NatsBroker(
         nc,
         config,
         subject_prefix=subject_prefix,
@@ -836,6 +945,8 @@ async def open_nats_broker(
         poll_interval_s=poll_interval_s,
         clock=clock,
     )
+    lost.append(broker._connection_lost)
+    return broker
 
 
 # --------------------------------------------------------------------------- helpers
@@ -873,8 +984,14 @@ def _port_error(exc: Exception) -> Exception:
     return exc
 
 
-def _message_id(ack: api.PubAck) -> str:
-    return str(ack.seq)
+def _refusal(error: Mapping[str, Any]) -> Exception:
+    """The port's error for JetStream's answer ``{"error": {...}}`` to a publish, as ``_port_error``
+    maps nats-py's APIError: a server-side failure (code >= 500) is worth a retry, the rest is not."""
+    code = error.get("code")
+    text = f"code={code} err_code={error.get('err_code')} description={error.get('description')!r}"
+    if isinstance(code, int) and code >= 500:
+        return BrokerUnavailable(f"NATS JetStream error: {text}")
+    return BrokerError(f"NATS JetStream refused: {text}")
 
 
 def _status(msg: Msg) -> str:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 from nats.aio.msg import Msg
+from structlog.testing import capture_logs
 from tests.contracts.brokers.base import (
     DEADLINE,
     BrokerContract,
@@ -30,6 +31,7 @@ from tests.contracts.brokers.base import (
 )
 from tests.nats_server import OwnNatsServer, free_port
 
+from roomservice.brokers import nats as nats_adapter
 from roomservice.brokers.nats import H_DEAD_COUNT, H_DEAD_SEQ, NatsBroker, open_nats_broker
 from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable
 from roomservice.config import ConfigError, NatsConfig, settings_from_yaml
@@ -402,5 +404,156 @@ async def test_a_send_while_the_server_is_down_is_unavailable(own_server: OwnNat
         await eventually(disconnected)
         with pytest.raises(BrokerUnavailable):
             await broker.send(message(topic, "during"))
+    finally:
+        await broker.close()
+
+
+async def test_the_same_key_sent_twice_inside_the_window_is_acknowledged_as_one_and_stored_once(
+    shared_broker: NatsBroker,
+) -> None:
+    topic = unique("topic")
+    first = await shared_broker.send(message(topic, "event-1"))
+    again = await shared_broker.send(message(topic, "event-1", body=b"a retry"))  # both outstanding
+    assert await again == await first  # the duplicate's PubAck names the stored copy
+    info = await shared_broker._js.stream_info(shared_broker.stream, subjects_filter=shared_broker.subject(topic))
+    assert sum((info.state.subjects or {}).values()) == 1
+    assert shared_broker._acks == {}
+
+
+async def test_a_send_to_a_deleted_stream_fails_retryably_and_the_next_send_creates_it_again(
+    shared_broker: NatsBroker,
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await shared_broker.declare_group(topic, group, max_deliveries=1)
+    await shared_broker._js.delete_stream(shared_broker.stream)  # an operator's mistake
+    with pytest.raises(BrokerUnavailable, match="no stream"):  # nobody answers for the subject: a 503 status
+        await (await shared_broker.send(message(topic, "lost")))
+    stored = await (await shared_broker.send(message(topic, "bound again")))
+    assert stored == "1"  # the first message of the stream made again
+    await shared_broker._js.delete_stream(shared_broker.stream)
+    # the awaited publish binds the subject again inline, once
+    assert await shared_broker.publish(message(topic, "published"), timeout_s=5) == "1"
+
+
+async def test_a_sent_message_nats_cannot_carry_is_refused_for_good(shared_broker: NatsBroker) -> None:
+    topic = unique("topic")
+    too_large = b"x" * (shared_broker._nc.max_payload + 1)
+    with pytest.raises(BrokerError, match="too large"):
+        await shared_broker.send(message(topic, body=too_large))
+    assert shared_broker._acks == {}  # the refused message keeps no place
+
+
+async def test_a_jetstream_error_answer_to_a_send_is_refused_for_good(shared_broker: NatsBroker) -> None:
+    """A real error PubAck: a message whose expected stream is not the subject's (400, err_code 10060)."""
+    topic = unique("topic")
+    await (await shared_broker.send(message(topic)))  # the subject is bound to our stream
+    ack = await shared_broker._put(shared_broker.subject(topic), b"x", {}, "not_the_stream")
+    with pytest.raises(BrokerError, match="expected stream"):
+        await ack
+
+
+@pytest.mark.parametrize(
+    ("data", "headers", "outcome"),
+    [
+        (b'{"stream":"s","seq":7}', None, "7"),
+        (b'{"stream":"s","seq":7,"duplicate":true}', None, "7"),
+        (b'{"error":{"code":503,"err_code":10008,"description":"JetStream unavailable"}}', None, BrokerUnavailable),
+        (b'{"error":{"code":500,"err_code":10049,"description":"write failed"}}', None, BrokerUnavailable),
+        (b'{"error":{"code":400,"err_code":10060,"description":"expected stream does not match"}}', None, BrokerError),
+        # what nats-server 2.9 answers to a refused publish: the error with "stream" and "seq": 0
+        (b'{"error":{"code":400,"err_code":10060,"description":"x"},"stream":"s","seq":0}', None, BrokerError),
+        (b"", {"Status": "503"}, BrokerUnavailable),  # no responders: no stream on the subject
+        (b"", {"Status": "408"}, BrokerUnavailable),
+        (b"not json", None, BrokerUnavailable),
+    ],
+)
+async def test_jetstream_answers_map_to_the_ports_outcomes(
+    shared_broker: NatsBroker, data: bytes, headers: dict[str, str] | None, outcome: str | type[Exception]
+) -> None:
+    prefix = await shared_broker._subscribe_acks()
+    ack: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    shared_broker._acks["t"] = ack
+    await shared_broker._acknowledged(Msg(shared_broker._nc, subject=f"{prefix}t", data=data, headers=headers))
+    assert ack.done() and "t" not in shared_broker._acks
+    if isinstance(outcome, str):
+        assert ack.result() == outcome
+    else:
+        exc = ack.exception()
+        assert type(exc) is outcome or (outcome is BrokerUnavailable and isinstance(exc, BrokerUnavailable))
+        assert not isinstance(exc, BrokerError if outcome is BrokerUnavailable else BrokerUnavailable)
+
+
+async def test_a_cancelled_send_lets_go_of_its_entry_and_its_late_acknowledgement_is_ignored(
+    shared_broker: NatsBroker,
+) -> None:
+    topic = unique("topic")
+    await (await shared_broker.send(message(topic, "bound")))
+    errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        with capture_logs() as logs:
+            given_up = await shared_broker.send(message(topic, "given up"))
+            given_up.cancel()  # the loop has not run since: its acknowledgement cannot have come
+            after = await shared_broker.send(message(topic, "after"))
+            # JetStream answers one connection's publishes to a stream in order, and they are
+            # handled in order: once the later one is acknowledged, the late one was seen.
+            assert int(await after) == 3
+    finally:
+        loop.set_exception_handler(None)
+    assert given_up.cancelled()
+    assert shared_broker._acks == {}
+    assert not [entry for entry in logs if entry.get("log_level") in ("warning", "error", "critical")]
+    assert errors == []
+    info = await shared_broker._js.stream_info(shared_broker.stream)
+    assert info.state.messages == 3  # given up on, but stored: the worker's retry would be a duplicate
+
+
+async def test_outstanding_publishes_are_bounded(shared_broker: NatsBroker, monkeypatch: pytest.MonkeyPatch) -> None:
+    topic = unique("topic")
+    await (await shared_broker.send(message(topic)))
+    monkeypatch.setattr(nats_adapter, "_ACKS_LIMIT", 2)
+    acks = [await shared_broker.send(message(topic)) for _ in range(2)]
+    with pytest.raises(BrokerUnavailable, match="wait for their acknowledgement"):
+        await shared_broker.send(message(topic))
+    await asyncio.gather(*acks)
+
+
+async def test_closing_the_broker_fails_the_outstanding_sends(own_server: OwnNatsServer) -> None:
+    broker = await _open(own_server.url)
+    topic = unique("topic")
+    await (await broker.send(message(topic, "bound")))
+    acks = [await broker.send(message(topic)) for _ in range(20)]  # no answer handled yet: the loop has not run
+    await broker.close()
+    for ack in acks:
+        with pytest.raises(BrokerUnavailable, match="closed"):
+            await ack
+    assert broker._acks == {}
+
+
+async def test_outstanding_sends_fail_when_the_server_stops_and_sending_works_again_after_it_is_back(
+    own_server: OwnNatsServer,
+) -> None:
+    broker = await _open(own_server.url)
+    try:
+        topic = unique("topic")
+        await (await broker.send(message(topic, "bound")))
+        keys = [f"ev-{i}" for i in range(50)]
+        acks = [await broker.send(message(topic, key)) for key in keys]
+        own_server.kill()  # before the loop ran again: most (usually all) of them are not answered
+        done, _ = await asyncio.wait(acks, timeout=DEADLINE)
+        assert len(done) == len(acks)  # none waits for its caller's timeout
+        for ack in acks:
+            exc = ack.exception()
+            assert exc is None or isinstance(exc, BrokerUnavailable)
+        assert broker._acks == {}
+
+        own_server.start()
+        await _until_ready(broker)
+        # the worker's retry: each key stored once, whether or not its first copy made it
+        again = [await broker.send(message(topic, key)) for key in keys]
+        await asyncio.gather(*again)
+        info = await broker._js.stream_info(broker.stream)
+        assert info.state.messages == 1 + len(keys)
     finally:
         await broker.close()
