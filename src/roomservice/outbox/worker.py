@@ -13,12 +13,13 @@ holding every short batch's "delivered" back by up to that long (issue 12: at 20
 a 10 ms linger was most of commit -> finish committed).
 
 A room's rows are published in version order, each after the one before it ended —
-except that rows whose one target pipelines (the broker publisher on NATS: messages
-queued on one connection keep their order; on the embedded broker: messages queued for
-shared publish transactions that commit in queue order) are sent one after another without waiting
-for each acknowledgement; every row still gets its own outcome, retry or dead letter,
-within its own ``publish_timeout``, exactly as one at a time, and a row of any other
-kind waits for the acknowledgements before it.
+except in rooms whose every row has one target and that target's publisher pipelines
+(the broker publisher on NATS: messages queued on one connection keep their order; on
+the embedded broker: messages queued for shared publish transactions that commit in
+queue order). Those rooms share the batch's one pipeline (``_Pipeline``): rows sent
+round robin over the rooms without waiting for each acknowledgement; every row still
+gets its own outcome, retry or dead letter, within its own ``publish_timeout``, exactly
+as one at a time. A room with a row of any other kind is published row after row.
 
 No transaction is open while publishing. A commit wakes the worker at once
 (``wake()``); ``poll_interval`` is only the fallback for rows committed by other
