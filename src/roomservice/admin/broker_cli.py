@@ -13,9 +13,11 @@ body decoded (the outbox envelope, or a treasure wake-up).
 
 ``groups`` shows what the broker holds per group (lag, in flight, dead
 letters). What a consumer did (consumed, duplicates skipped, failures,
-redeliveries) is counted in the consuming process's memory and exported on its
-``/metrics`` (``room_consumer_messages_total``, ``room_consumer_redeliveries_total``);
-no store keeps it, so this command, a process of its own, cannot show it.
+redeliveries) is counted in the consuming process's memory: it is on that
+process's ``/metrics`` (``room_consumer_messages_total``,
+``room_consumer_redeliveries_total``) and, beside the broker's figures, on its
+``GET /admin/consumers``; no store keeps it, so this command, a process of its
+own, cannot show it.
 
 Exit codes: 0 done; 1 the broker or database did not answer, or some ids were
 not dead letters of the group; 2 bad arguments (unknown group, no ids and no --all).
@@ -36,7 +38,7 @@ from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
 import typer
 
 from roomservice import errors
-from roomservice.admin.dead_letters import DeadLetterAdmin, describe
+from roomservice.admin.dead_letters import DeadLetterAdmin, describe, group_row
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.broker import GroupSpec, consumer_groups, open_broker
 from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
@@ -111,20 +113,7 @@ def groups_command(config: ConfigOpt = None, data_dir: DataDirOpt = Path("var"),
     """Each enabled consumer group: its topic, lag, deliveries in flight and dead letters."""
 
     async def work(admin: DeadLetterAdmin) -> list[dict[str, Any]]:
-        out = []
-        for spec in admin.groups:
-            stats = await admin.broker.group_stats(spec.topic, spec.group)
-            out.append(
-                {
-                    "group": spec.group,
-                    "topic": spec.topic,
-                    "lag": stats.lag,
-                    "in_flight": stats.in_flight,
-                    "dead_letters": stats.dead_letters,
-                    "max_deliveries": spec.max_deliveries,
-                }
-            )
-        return out
+        return [group_row(spec, await admin.broker.group_stats(spec.topic, spec.group)) for spec in admin.groups]
 
     rows = _run(config, data_dir, work)
     if as_json:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roomservice import errors
 from roomservice.admin.operations import OutboxAdmin
-from roomservice.bootstrap.broker import GroupSpec
+from roomservice.bootstrap.broker import GroupSpec, consumer_groups
 from roomservice.brokers.port import Broker, DeadLetter, GroupStats
 from roomservice.timers.delay_message import WAKEUP_TAG, TreasureWakeup
 from roomservice.wire import decode_event
+
+if TYPE_CHECKING:
+    from roomservice.bootstrap.process import Process
 
 MAX_DEAD_LETTERS = 10_000
 
@@ -30,6 +33,19 @@ class GroupReport:
     spec: GroupSpec
     stats: GroupStats | None
     error: str | None  # the broker did not answer: why
+
+
+def group_row(spec: GroupSpec, stats: GroupStats | None) -> dict[str, Any]:
+    """One group as ``room-service broker groups --json`` and ``GET /admin/consumers`` show it
+    (the broker's figures None when it did not answer)."""
+    return {
+        "group": spec.group,
+        "topic": spec.topic,
+        "lag": stats.lag if stats else None,
+        "in_flight": stats.in_flight if stats else None,
+        "dead_letters": stats.dead_letters if stats else None,
+        "max_deliveries": spec.max_deliveries,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +60,14 @@ class DeadLetterAdmin:
         self.broker = broker
         self.groups = list(groups)
         self.audit = audit
+
+    @classmethod
+    def of_process(cls, process: Process) -> DeadLetterAdmin | None:
+        """The groups of ``process``'s configuration on its broker; None when it has no broker."""
+        if process.broker is None:
+            return None
+        assert process.outbox_admin is not None  # every process builds the admin operations
+        return cls(process.broker, consumer_groups(process.settings), audit=process.outbox_admin)
 
     def group(self, name: str) -> GroupSpec:
         """The group of this configuration named ``name``; :class:`errors.NotFound` naming the known ones."""

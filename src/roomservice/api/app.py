@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -29,6 +30,7 @@ from roomservice.observability.metrics import REGISTRY
 from roomservice.service import RoomService
 
 if TYPE_CHECKING:
+    from roomservice.admin.dead_letters import DeadLetterAdmin
     from roomservice.admin.operations import OutboxAdmin
     from roomservice.console import Console
     from roomservice.forwarding import Forwarder
@@ -87,6 +89,10 @@ class ApiContext:
     body_read_timeout_s: float = 10.0  # http.body_read_timeout: the whole body must arrive within it
     forwarder: Forwarder | None = None  # commands and the room view go through it (to the room's owner)
     console: Console | None = None  # serves the operators' web console under /console/ when set
+    # serve GET /admin/consumers when set: the configuration's groups on the broker, and what this
+    # process's own groups did (consumer_counts: ConsumerRuntime.counts; None: it runs no group)
+    consumer_groups: DeadLetterAdmin | None = None
+    consumer_counts: Callable[[], dict[str, dict[str, Any]]] | None = None
     fast_commands: bool = True  # the command routes through api/fast_path.py (False: FastAPI's routing only)
 
 
@@ -257,6 +263,26 @@ def create_app(ctx: ApiContext) -> FastAPI:
             ctx.outbox_admin, require_admin, route_class=app.router.route_class, responses=ADMIN_RESPONSES
         )
         app.include_router(router)
+
+    if ctx.consumer_groups is not None:
+        from roomservice.admin.dead_letters import group_row
+
+        groups_admin, counts = ctx.consumer_groups, ctx.consumer_counts
+
+        @app.get("/admin/consumers", tags=["admin"], dependencies=[Depends(require_admin)], responses=ADMIN_RESPONSES)
+        async def admin_consumers() -> dict[str, Any]:
+            """Every consumer group of this configuration: what the broker holds for it (lag, in
+            flight, dead letters; ``error`` when the broker did not answer) and, for the groups this
+            process consumes, what they did since it started (``this_process``: applied, duplicates,
+            failures, redelivered; null for a group another process runs)."""
+            here = counts() if counts is not None else {}
+            groups = []
+            for report in await groups_admin.reports():
+                row = group_row(report.spec, report.stats)
+                row["error"] = report.error
+                row["this_process"] = here.get(report.spec.group)
+                groups.append(row)
+            return {"broker": groups_admin.broker.name, "groups": groups}
 
     if ctx.console is not None:
         from roomservice.console import mount

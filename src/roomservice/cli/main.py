@@ -137,6 +137,7 @@ def _console(runtime: Process, token: str) -> Console | None:
 
 
 async def _serve(settings: Settings, *, host: str, port: int, token: str, data_dir: Path) -> None:
+    from roomservice.admin.dead_letters import DeadLetterAdmin
     from roomservice.api.app import ApiContext, create_app
     from roomservice.api.server import HTTP_PROTOCOL
     from roomservice.bootstrap import Process
@@ -158,6 +159,8 @@ async def _serve(settings: Settings, *, host: str, port: int, token: str, data_d
                 body_read_timeout_s=settings.http.body_read_timeout.total_seconds(),
                 forwarder=runtime.commands.forwarder,
                 console=_console(runtime, token),
+                consumer_groups=DeadLetterAdmin.of_process(runtime),
+                consumer_counts=runtime.consumers.counts if runtime.consumers is not None else None,
             )
         )
         server = _Server(

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from roomservice.admin.dead_letters import DeadLetterAdmin
 from roomservice.admin.operations import OutboxAdmin
-from roomservice.bootstrap.broker import consumer_groups
 from roomservice.config import Settings
 from roomservice.console.jobs import Jobs
 from roomservice.console.queries import backlog
@@ -45,9 +44,7 @@ class Console:
     def from_process(cls, process: Process, *, admin_token: str) -> Console:
         settings = process.settings
         assert process.outbox_admin is not None  # every process builds the admin operations
-        dead_letters = None
-        if process.broker is not None:
-            dead_letters = DeadLetterAdmin(process.broker, consumer_groups(settings), audit=process.outbox_admin)
+        dead_letters = DeadLetterAdmin.of_process(process)
         room_view = None
         if process.commands is not None:
             room_view = process.commands.forwarder.room

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from roomservice import errors
 from roomservice.brokers.port import Broker, Delivery
@@ -332,6 +332,10 @@ class ConsumerRuntime:
 
     def runner(self, group: str) -> GroupRunner:
         return next(r for r in self.runners if r.group == group)
+
+    def counts(self) -> dict[str, dict[str, Any]]:
+        """What each group of this process did since it started (``GET /admin/consumers``)."""
+        return {r.group: {"running": r.alive, **_counts(r.counts)} for r in self.runners}
 
     async def sample_stats(self) -> None:
         """Refresh the lag and dead-letter gauges from the broker (best effort)."""
