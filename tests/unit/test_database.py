@@ -50,6 +50,37 @@ async def test_sqlite_write_takes_the_write_lock_at_begin(tmp_path: Path) -> Non
         await db.dispose()
 
 
+async def test_sqlite_units_take_the_write_lock_at_begin_and_reads_take_none(tmp_path: Path) -> None:
+    # run_write / run_read issue their own BEGIN (their engine has no "begin" hook): the same
+    # transactions as the write() / read() blocks
+    path = tmp_path / "room.db"
+    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    other = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)  # "another process"
+    seen: list[str] = []
+
+    def write_unit(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("SELECT 1")  # a read only: BEGIN IMMEDIATE already holds the lock
+        seen.append("in transaction" if conn.connection.driver_connection.in_transaction else "autocommit")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("BEGIN IMMEDIATE")
+
+    def read_unit(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("SELECT 1")
+        seen.append("in transaction" if conn.connection.driver_connection.in_transaction else "autocommit")
+        other.execute("BEGIN IMMEDIATE")  # a reader takes no write lock
+        other.execute("ROLLBACK")
+
+    try:
+        await db.run_write(write_unit)
+        other.execute("BEGIN IMMEDIATE")  # released at commit
+        other.execute("ROLLBACK")
+        await db.run_read(read_unit)
+        assert seen == ["in transaction", "autocommit"]
+    finally:
+        other.close()
+        await db.dispose()
+
+
 async def test_sqlite_write_transactions_queue_and_commit_or_roll_back(tmp_path: Path) -> None:
     db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
     try:
