@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from roomservice.store.database import Database, session_limits_sql
+from roomservice.store.database import Database, _WriteLock, session_limits_sql
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 
@@ -368,3 +368,22 @@ async def test_an_unbounded_write_lifts_the_limits_of_its_session_only(mariadb_u
         assert again[0] != session and float(again[1]) == 0.3
     finally:
         await db.dispose()
+
+
+async def test_the_write_lock_is_taken_at_once_only_when_free_and_nobody_waits() -> None:
+    lock = _WriteLock()
+    assert lock.take_if_free() and lock.locked()
+    assert not lock.take_if_free()  # held
+    waiter = asyncio.ensure_future(lock.acquire())
+    gone = asyncio.ensure_future(lock.acquire())
+    await asyncio.sleep(0)  # both queued behind the holder
+    gone.cancel()
+    lock.release()  # handed to the first waiter, which has not run yet
+    assert not lock.take_if_free()  # nobody jumps it
+    await waiter
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert lock.locked()
+    lock.release()
+    assert lock.take_if_free()  # the cancelled waiter is not counted any more
+    lock.release()
