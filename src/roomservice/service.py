@@ -42,6 +42,7 @@ from roomservice.observability.logging import get_logger, log_context
 from roomservice.observability.timing import CommandTiming, Stopwatch, rounded_ms
 from roomservice.projections.port import Projections
 from roomservice.store.port import (
+    Answer,
     AttachedWrite,
     CommandIdTaken,
     LoggedCommand,
@@ -343,13 +344,13 @@ class RoomService:
         timing.replayed = True
         return {**logged.response, "replayed": True}
 
-    def _body(self, state: RoomState, events: list[e.Event], now_ms: int) -> dict[str, Any]:
-        return {
+    def _body(self, state: RoomState, events: list[e.Event], now_ms: int) -> Answer:
+        return Answer({
             "room": room_view(state, now_ms=now_ms, level_count=len(self.rules.treasure_levels)),
             "version": state.version,
             "events": [{"event_id": ev.event_id, "type": ev.type} for ev in events],
             "replayed": False,
-        }
+        })
 
     async def _debit(self, app_code: str, room_id: str, command_id: str, gift: e.RoomGiftSent, now_ms: int) -> None:
         key = debit_key(app_code, room_id, command_id)

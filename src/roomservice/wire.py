@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
 
 from roomservice.domain import events as e
+from roomservice.domain.fieldnames import field_names
 from roomservice.proto import room_outbox_event_pb2 as pb
 
 
@@ -37,9 +37,9 @@ def decode_event(data: bytes) -> e.Event:
     cls = e.PAYLOAD_TYPES[envelope.type]
     message = getattr(envelope, _FIELD_OF[envelope.type])
     values = {}
-    for f in fields(cls):
-        value = getattr(message, f.name)
-        values[f.name] = tuple(value) if f.name == "recipients" else value
+    for name in field_names(cls):
+        value = getattr(message, name)
+        values[name] = tuple(value) if name == "recipients" else value
     return e.Event(
         event_id=envelope.event_id,
         app_code=envelope.app_code,

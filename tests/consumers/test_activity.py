@@ -222,3 +222,18 @@ async def test_on_the_runtime_republished_gifts_apply_once_and_poison_is_dead_le
 async def _settled(broker: FakeBroker) -> bool:
     stats = await broker.group_stats(TOPIC, GROUP)
     return stats.lag == 0 and stats.dead_letters == 1
+
+
+async def test_duplicates_handled_together_apply_once_and_the_others_of_their_transaction_stand(
+    store: ActivityStore, database: Database
+) -> None:
+    first, second = gift(3), gift(4)
+    outcomes = await asyncio.gather(
+        handler(store).handle(delivery(encode_event(first))),
+        handler(store).handle(delivery(encode_event(first), count=2)),  # same event, same transaction
+        handler(store).handle(delivery(encode_event(second))),
+    )
+    assert outcomes == [Outcome.APPLIED, Outcome.DUPLICATE, Outcome.APPLIED]
+    sent, received = await boards(store)
+    assert sent == [LeaderboardEntry("alice", 7)] and received == [LeaderboardEntry("bob", 7)]
+    assert await processed_rows(database) == 2

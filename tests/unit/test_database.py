@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from roomservice.store.database import Database, session_limits_sql
+from roomservice.store.database import Database, _UnitDeadlines, _WriteLock, session_limits_sql
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 
@@ -45,6 +45,37 @@ async def test_sqlite_write_takes_the_write_lock_at_begin(tmp_path: Path) -> Non
             await conn.exec_driver_sql("SELECT 1")
             other.execute("BEGIN IMMEDIATE")
             other.execute("ROLLBACK")
+    finally:
+        other.close()
+        await db.dispose()
+
+
+async def test_sqlite_units_take_the_write_lock_at_begin_and_reads_take_none(tmp_path: Path) -> None:
+    # run_write / run_read issue their own BEGIN (their engine has no "begin" hook): the same
+    # transactions as the write() / read() blocks
+    path = tmp_path / "room.db"
+    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    other = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)  # "another process"
+    seen: list[str] = []
+
+    def write_unit(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("SELECT 1")  # a read only: BEGIN IMMEDIATE already holds the lock
+        seen.append("in transaction" if conn.connection.driver_connection.in_transaction else "autocommit")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other.execute("BEGIN IMMEDIATE")
+
+    def read_unit(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("SELECT 1")
+        seen.append("in transaction" if conn.connection.driver_connection.in_transaction else "autocommit")
+        other.execute("BEGIN IMMEDIATE")  # a reader takes no write lock
+        other.execute("ROLLBACK")
+
+    try:
+        await db.run_write(write_unit)
+        other.execute("BEGIN IMMEDIATE")  # released at commit
+        other.execute("ROLLBACK")
+        await db.run_read(read_unit)
+        assert seen == ["in transaction", "autocommit"]
     finally:
         other.close()
         await db.dispose()
@@ -337,3 +368,40 @@ async def test_an_unbounded_write_lifts_the_limits_of_its_session_only(mariadb_u
         assert again[0] != session and float(again[1]) == 0.3
     finally:
         await db.dispose()
+
+
+async def test_the_write_lock_is_taken_at_once_only_when_free_and_nobody_waits() -> None:
+    lock = _WriteLock()
+    assert lock.take_if_free() and lock.locked()
+    assert not lock.take_if_free()  # held
+    waiter = asyncio.ensure_future(lock.acquire())
+    gone = asyncio.ensure_future(lock.acquire())
+    await asyncio.sleep(0)  # both queued behind the holder
+    gone.cancel()
+    lock.release()  # handed to the first waiter, which has not run yet
+    assert not lock.take_if_free()  # nobody jumps it
+    await waiter
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert lock.locked()
+    lock.release()
+    assert lock.take_if_free()  # the cancelled waiter is not counted any more
+    lock.release()
+
+
+async def test_unit_deadlines_fail_each_waiter_at_its_own_deadline_whatever_the_order_they_came_in() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = _UnitDeadlines()
+    start = loop.time()
+    late, early, answered = loop.create_future(), loop.create_future(), loop.create_future()
+    deadlines.watch(loop, start + 0.3, late)
+    deadlines.watch(loop, start + 0.05, early)  # came in after, falls before: the timer is moved up
+    deadlines.watch(loop, start + 0.05, answered)
+    answered.set_result(None)  # done before its deadline: left alone
+    with pytest.raises(TimeoutError):
+        await early
+    assert loop.time() - start < 0.3 and not late.done()
+    with pytest.raises(TimeoutError):
+        await late
+    assert loop.time() - start >= 0.3 - 0.01
+    assert answered.result() is None

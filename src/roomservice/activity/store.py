@@ -1,13 +1,14 @@
 """The reference activity service's persistence: processed event ids, daily gift boards, treasure rewards.
 
 Idempotency is the primary key of ``activity_processed_event``. Handling an
-event is ONE write transaction that first inserts its event id with a plain
-``INSERT`` and then applies the effect. A duplicate-key error on that first
-statement means the event was already processed (or is being processed right
-now by a concurrent call: on MySQL/MariaDB the second insert waits for the
-first transaction's row lock and then fails): the transaction is rolled back and
-the call reports a duplicate. So one event id has its effect exactly once, even
-under concurrent duplicates, on both backends.
+event is ONE write transaction (shared with the events handled together) that
+first inserts its event id with ``INSERT OR IGNORE`` / ``INSERT IGNORE`` and then
+applies the effect. A row ignored by that first statement (rowcount 0) means the
+event was already processed (or is being processed right now by a concurrent
+call: on MySQL/MariaDB the second insert waits for the first transaction's row
+lock and is then ignored): nothing of it is written and the call reports a
+duplicate. So one event id has its effect exactly once, even under concurrent
+duplicates, on both backends.
 
 The id recorded is :func:`~roomservice.domain.events.dedup_id`: a repair event
 (``repair_of = X``, written by ``outbox replay --as-repair`` under a new
@@ -35,15 +36,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from sqlalchemy import Connection, Insert, Row, Select, bindparam, insert, select
+from sqlalchemy import Connection, Insert, Row, Select, bindparam, select
 from sqlalchemy.dialects import mysql, sqlite
-from sqlalchemy.exc import IntegrityError
 
 from roomservice.clock import wall_clock_ms
 from roomservice.coalesce import Coalesced, Failed
 from roomservice.domain.events import Event, RoomGiftSent, RoomTreasureOpened, dedup_id
 from roomservice.domain.state import utc_day
-from roomservice.store.database import Database
+from roomservice.store.database import Database, execute_rendered, insert_or_ignore
 from roomservice.store.tables import activity_gift_board, activity_processed_event, activity_treasure_reward
 
 Board = Literal["sent", "received"]
@@ -51,7 +51,9 @@ BOARDS: Final[frozenset[str]] = frozenset({"sent", "received"})
 
 _processed, _board, _reward = activity_processed_event, activity_gift_board, activity_treasure_reward
 
-_INSERT_PROCESSED: Final = insert(_processed)
+# OR IGNORE / IGNORE: a processed event is refused by its key, the rowcount (0) says so, and the
+# transaction carries on without a savepoint per event; the row's values are ours (never NULL)
+_INSERT_PROCESSED: Final = insert_or_ignore(_processed)
 
 _IS_PROCESSED: Final = select(_processed.c.event_id).where(_processed.c.event_id == bindparam("event_id"))
 
@@ -138,12 +140,12 @@ class ActivityStore:
         return True
 
     def _handle_all(self, conn: Connection, items: list[_Effect]) -> list[Failed | None]:
-        """Several events in one transaction, each in its own savepoint: one processed already fails alone."""
+        """Several events in one transaction: one processed already fails alone, having written nothing
+        (its processed row is the first statement, and it was ignored)."""
         outcomes: list[Failed | None] = []
         for processed, board_rows, reward_rows in items:
             try:
-                with conn.begin_nested():
-                    _handle(conn, processed, self._upsert_board, board_rows, self._insert_rewards, reward_rows)
+                _handle(conn, processed, self._upsert_board, board_rows, self._insert_rewards, reward_rows)
             except _AlreadyProcessed as exc:
                 outcomes.append(Failed(exc))
             else:
@@ -214,10 +216,9 @@ def _handle(
     insert_rewards: Insert,
     reward_rows: list[dict[str, Any]],
 ) -> None:
-    try:
-        conn.execute(_INSERT_PROCESSED, processed)
-    except IntegrityError as exc:  # the event_id primary key: processed (or being processed) already
-        raise _AlreadyProcessed(processed["event_id"]) from exc
+    if execute_rendered(conn, _INSERT_PROCESSED, processed).rowcount == 0:
+        # the event_id primary key: processed already (in this transaction, or committed before it)
+        raise _AlreadyProcessed(processed["event_id"])
     if board_rows:
         conn.execute(upsert_board, board_rows)
     if reward_rows:

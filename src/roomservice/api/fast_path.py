@@ -47,6 +47,7 @@ from roomservice.api.body_limit import DEADLINE_SCOPE_KEY, ClientGone, receive_b
 from roomservice.api.errors import error_response
 from roomservice.domain import commands as c
 from roomservice.domain import limits as lim
+from roomservice.store.port import Answer
 
 Execute = Callable[[str, str, str, c.Command], Awaitable[dict[str, Any]]]
 
@@ -116,7 +117,8 @@ class CommandFastPath:
         except errors.RoomServiceError as exc:
             await error_response(exc)(scope, receive, send)
             return
-        payload = orjson.dumps(answer)
+        # an answer decided here carries its encoding (the bytes its command log row holds)
+        payload = answer.encoded if isinstance(answer, Answer) else orjson.dumps(answer)
         await send({
             "type": "http.response.start",
             "status": 200,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from roomservice.domain.fieldnames import field_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -11,7 +13,7 @@ class Command:
     name: ClassVar[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}
+        return {"type": self.name, **{name: getattr(self, name) for name in field_names(type(self))}}
 
 
 @dataclass(frozen=True, slots=True)

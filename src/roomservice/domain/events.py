@@ -7,8 +7,10 @@ per-type code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from roomservice.domain.fieldnames import field_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +19,7 @@ class EventPayload:
 
     def to_dict(self) -> dict[str, Any]:
         # shallow on purpose (fields are scalars or tuples of str): asdict() deep-copies
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in field_names(type(self))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +120,9 @@ PAYLOAD_TYPES: dict[str, type[EventPayload]] = {
 def payload_from_dict(event_type: str, data: dict[str, Any]) -> EventPayload:
     cls = PAYLOAD_TYPES[event_type]
     values = {}
-    for f in fields(cls):
-        value = data[f.name]
-        values[f.name] = tuple(value) if isinstance(value, list) else value
+    for name in field_names(cls):
+        value = data[name]
+        values[name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
 
 

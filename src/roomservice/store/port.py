@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 from roomservice import errors
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
@@ -79,6 +81,21 @@ class AttachedWrite(Protocol):
     def committed(self) -> None:
         """Called once the transaction that carried it has committed."""
         ...
+
+
+class Answer(dict[str, Any]):
+    """A command's answer body with its compact JSON (``orjson.dumps`` of it), encoded once: the
+    command log row stores that text and the HTTP fast path sends those bytes, so both are the
+    same bytes. Built whole and never changed afterwards (the encoding would go stale)."""
+
+    __slots__ = ("encoded",)
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.encoded: bytes = orjson.dumps(body)
+
+    def __reduce__(self) -> tuple[type[Answer], tuple[dict[str, Any]]]:  # copy, deepcopy, pickle
+        return Answer, (dict(self),)
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,7 @@ from roomservice.domain.state import RoomState
 from roomservice.store.database import Database, execute_rendered, insert_rendered
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
+    Answer,
     CommandIdTaken,
     LoadedRoom,
     LoggedCommand,
@@ -648,7 +649,8 @@ def _command_row(m: Mutation, state: RoomState) -> dict[str, Any]:
         "fingerprint": m.fingerprint,
         "command": dump_json(m.command),
         "events": dump_json([event.to_dict() for event in m.events]),
-        "response": dump_json(m.response),
+        # the answer's own encoding (the HTTP fast path sends the same bytes): no second encoding
+        "response": m.response.encoded.decode() if isinstance(m.response, Answer) else dump_json(m.response),
         "version": state.version,
         "now_ms": m.now_ms,
         "created_at_ms": m.now_ms,
