@@ -1,15 +1,22 @@
-"""``relay``: a future that follows another one, its result or failure converted (pipelined publishes).
+"""Futures without a task or a timer each.
 
-A pipelined publish hands its caller a future of the acknowledgement instead of awaiting
-it; each layer it passes (the broker adapter, the broker publisher) speaks its own errors,
-so each relays the future below with its own conversion, without a task per message.
+``relay``: a future that follows another one, its result or failure converted (pipelined
+publishes: each layer an acknowledgement passes speaks its own errors, and relays the future
+below with its own conversion, without a task per message).
+
+``Deadlines``: futures that must be done by a deadline of their own, kept by ONE timer armed
+for the earliest instead of an ``asyncio.timeout`` (a timer armed and cancelled) per future:
+the outbox worker's pipelined acknowledgements, the group commit's saves and the SQLite units
+(issue 12: ~7-10 us of CPU per timer on this machine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -42,3 +49,56 @@ def relay(
     inner.add_done_callback(forward)
     outer.add_done_callback(back)
     return outer
+
+
+class Deadlines:
+    """Futures watched until their deadline (``loop.time()`` seconds): one past it and not done yet
+    is handed to ``on_expiry``, which must make it done (fail it, or cancel it). ONE timer, armed
+    for the earliest deadline of a future not done; a future done before its deadline costs nothing
+    more than its place in the heap until the timer or the next ``watch`` passes it."""
+
+    __slots__ = ("_heap", "_on_expiry", "_order", "_timer", "_timer_at", "_timer_loop")
+
+    def __init__(self, on_expiry: Callable[[asyncio.Future[Any]], None]) -> None:
+        self._on_expiry = on_expiry
+        self._heap: list[tuple[float, int, asyncio.Future[Any]]] = []
+        self._order = itertools.count()  # ties: first come, first expired; futures are never compared
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+
+    def watch(self, future: asyncio.Future[Any], deadline: float) -> None:
+        heap = self._heap
+        while heap and heap[0][2].done():  # done before their deadline: nothing left to expire
+            heapq.heappop(heap)
+        heapq.heappush(heap, (deadline, next(self._order), future))
+        loop = future.get_loop()
+        # (a timer of a loop since closed never fires: a new loop arms its own)
+        if self._timer is None or self._timer_loop is not loop or deadline < self._timer_at:
+            self._arm(loop, heap[0][0])
+
+    def close(self) -> list[asyncio.Future[Any]]:
+        """Stop watching; returns the futures watched that are not done yet."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pending = [future for _, _, future in self._heap if not future.done()]
+        self._heap.clear()
+        return pending
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at, self._timer_loop = loop.call_at(at, self._expire, loop), at, loop
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        heap, now = self._heap, loop.time()
+        while heap:
+            deadline, _, future = heap[0]
+            if not future.done():
+                if deadline > now:
+                    self._arm(loop, deadline)
+                    return
+                self._on_expiry(future)
+            heapq.heappop(heap)

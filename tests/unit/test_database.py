@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from roomservice.store.database import Database, _UnitDeadlines, _WriteLock, session_limits_sql
+from roomservice.store.database import Database, _WriteLock, session_limits_sql
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 
@@ -387,21 +387,3 @@ async def test_the_write_lock_is_taken_at_once_only_when_free_and_nobody_waits()
     lock.release()
     assert lock.take_if_free()  # the cancelled waiter is not counted any more
     lock.release()
-
-
-async def test_unit_deadlines_fail_each_waiter_at_its_own_deadline_whatever_the_order_they_came_in() -> None:
-    loop = asyncio.get_running_loop()
-    deadlines = _UnitDeadlines()
-    start = loop.time()
-    late, early, answered = loop.create_future(), loop.create_future(), loop.create_future()
-    deadlines.watch(loop, start + 0.3, late)
-    deadlines.watch(loop, start + 0.05, early)  # came in after, falls before: the timer is moved up
-    deadlines.watch(loop, start + 0.05, answered)
-    answered.set_result(None)  # done before its deadline: left alone
-    with pytest.raises(TimeoutError):
-        await early
-    assert loop.time() - start < 0.3 and not late.done()
-    with pytest.raises(TimeoutError):
-        await late
-    assert loop.time() - start >= 0.3 - 0.01
-    assert answered.result() is None

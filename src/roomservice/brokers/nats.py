@@ -331,14 +331,12 @@ class NatsBroker:
         ack.add_done_callback(functools.partial(acks.pop, token))
         headers[_EXPECTED_STREAM] = stream
         try:
-            await self._nc.publish(subject, body, reply=prefix + token, headers=headers)
-        except BaseException as exc:  # refused by nats-py, or the caller cancelled while it flushed
+            with _mapped():
+                await self._nc.publish(subject, body, reply=prefix + token, headers=headers)
+        except BaseException:  # refused by nats-py, or the caller cancelled while it flushed
             acks.pop(token, None)
             ack.cancel()
-            mapped = _port_error(exc) if isinstance(exc, Exception) else exc
-            if mapped is exc:
-                raise
-            raise mapped from exc
+            raise
         return ack
 
     async def _subscribe_acks(self) -> str:

@@ -47,7 +47,6 @@ import contextlib
 import random
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -55,6 +54,7 @@ from typing import Any, cast
 
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
+from roomservice.futures import Deadlines
 from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger, log_context
 from roomservice.observability.metrics import (
@@ -652,16 +652,20 @@ class OutboxWorker:
 _BOUND_GRAIN_S = 0.01
 
 
+def _give_up(ack: asyncio.Future[Any]) -> None:
+    ack.cancel()
+
+
 class _Pipeline:
     """One batch's rows to pipelining publishers (see the module doc): each row is sent once the
     one before it was (the publisher keeps their order) without waiting for its acknowledgement,
     at most ``publish_concurrency`` attempts at once with the batch's lanes, each attempt bounded
     by its own ``publish_timeout``.
 
-    Per row this costs a send and a done callback: the acknowledgements' deadlines (in send order,
-    so in deadline order) share one timer that fires only when the earliest outstanding one is
-    due; the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the batch's publish latencies
-    and outcome counts go to the metrics once, at its end."""
+    Per row this costs a send and a done callback: the acknowledgements' deadlines share one timer
+    (:class:`~roomservice.futures.Deadlines`: one past its own is cancelled, which its callback
+    counts as a timeout); the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the batch's
+    publish latencies and outcome counts go to the metrics once, at its end."""
 
     def __init__(self, worker: OutboxWorker, semaphore: asyncio.Semaphore) -> None:
         self.worker = worker
@@ -669,10 +673,9 @@ class _Pipeline:
         self.loop = asyncio.get_running_loop()
         self.timeout = worker.options.publish_timeout_s
         self.outcomes: list[Outcome] = []
-        self.sent: deque[tuple[float, asyncio.Future[Any]]] = deque()  # (deadline, acknowledgement)
+        self.deadlines = Deadlines(_give_up)  # the acknowledgements not in yet
         self.outstanding = 0
         self.idle: asyncio.Future[None] | None = None  # set when the last acknowledgement is in
-        self.expiry: asyncio.TimerHandle | None = None
         self.counts: dict[tuple[str, str], int] = {}
         self.latencies: dict[str, list[float]] = {}
 
@@ -686,9 +689,7 @@ class _Pipeline:
                 self.idle = self.loop.create_future()
                 await self.idle
         finally:
-            if self.expiry is not None:
-                self.expiry.cancel()
-            for _, ack in self.sent:  # cancelled: let go of the acknowledgements still outstanding
+            for ack in self.deadlines.close():  # cancelled: let go of the acknowledgements still outstanding
                 ack.cancel()
             for (target, outcome), n in self.counts.items():
                 _count_delivery(target, outcome, n)
@@ -742,10 +743,7 @@ class _Pipeline:
                         else:
                             self.outstanding += 1
                             ack.add_done_callback(partial(self._acknowledged, row, target, publisher, t0))
-                            deadline = now + self.timeout
-                            self.sent.append((deadline, ack))
-                            if self.expiry is None:
-                                self.expiry = loop.call_at(deadline, self._expire)
+                            self.deadlines.watch(ack, now + self.timeout)
                         sending = False
                         i += 1
             except TimeoutError:
@@ -777,14 +775,3 @@ class _Pipeline:
         self.outstanding -= 1
         if not self.outstanding and self.idle is not None and not self.idle.done():
             self.idle.set_result(None)
-
-    def _expire(self) -> None:
-        """The earliest outstanding deadline is due: give up every acknowledgement past its own."""
-        self.expiry = None
-        now = self.loop.time()
-        sent = self.sent
-        while sent and (sent[0][1].done() or sent[0][0] <= now):
-            _, ack = sent.popleft()
-            ack.cancel()  # its callback counts it as a timeout
-        if sent:
-            self.expiry = self.loop.call_at(sent[0][0], self._expire)

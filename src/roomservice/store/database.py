@@ -65,8 +65,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import heapq
-import itertools
 import math
 import sqlite3
 import threading
@@ -86,6 +84,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState, QueuePool
 from sqlalchemy.sql.dml import Insert
 
+from roomservice.futures import Deadlines
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
@@ -140,7 +139,8 @@ class Database:
         else:
             raise ValueError(f"unsupported database dialect {name!r}")
         self._write_lock = _WriteLock()
-        self._unit_deadlines = _UnitDeadlines()
+        # the SQLite units' deadlines: a waiter past its own fails with TimeoutError (one timer for all)
+        self._unit_deadlines = Deadlines(_time_out)
         _reset_unless_committed(engine.sync_engine)
         self._sync_engine: Engine | None = None
         self._threads: ThreadPoolExecutor | None = None
@@ -385,10 +385,10 @@ class Database:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._threads, unit)
         # done when the unit is, or failed with TimeoutError at the deadline (one timer for every unit
-        # in flight, _UnitDeadlines); cancelled with the caller, it leaves the unit running: a shield
+        # in flight, futures.Deadlines); cancelled with the caller, it leaves the unit running: a shield
         waiter: asyncio.Future[None] = loop.create_future()
         future.add_done_callback(functools.partial(_wake, waiter))
-        self._unit_deadlines.watch(loop, deadline, waiter)
+        self._unit_deadlines.watch(waiter, deadline)
         try:
             await waiter
             return future.result()
@@ -594,50 +594,13 @@ _ER_NO_SUCH_THREAD: Final = 1094
 # --------------------------------------------------------------------------- SQLite units
 
 
+def _time_out(waiter: asyncio.Future[Any]) -> None:
+    waiter.set_exception(TimeoutError())
+
+
 def _wake(waiter: asyncio.Future[None], _done: object) -> None:
     if not waiter.done():  # (failed at its deadline, or cancelled with its caller, already)
         waiter.set_result(None)
-
-
-class _UnitDeadlines:
-    """The deadlines of the SQLite units in flight, kept by ONE timer armed for the earliest: each
-    unit's waiter fails with TimeoutError once its deadline has passed. An ``asyncio.timeout_at``
-    and a shield per unit armed and cancelled a timer each time (~10 us of CPU a unit, issue 12)."""
-
-    __slots__ = ("_heap", "_order", "_timer", "_timer_at", "_timer_loop")
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._order = itertools.count()  # ties: first come, first failed; futures are never compared
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-        self._timer_loop: asyncio.AbstractEventLoop | None = None
-
-    def watch(self, loop: asyncio.AbstractEventLoop, deadline: float, waiter: asyncio.Future[None]) -> None:
-        heap = self._heap
-        while heap and heap[0][2].done():  # done before their deadline: nothing left to time out
-            heapq.heappop(heap)
-        heapq.heappush(heap, (deadline, next(self._order), waiter))
-        # (a timer of a loop since closed never fires: a new loop arms its own)
-        if self._timer is None or self._timer_loop is not loop or deadline < self._timer_at:
-            self._arm(loop, heap[0][0])
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at, self._timer_loop = loop.call_at(at, self._expire, loop), at, loop
-
-    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._timer = None
-        heap, now = self._heap, loop.time()
-        while heap:
-            deadline, _, waiter = heap[0]
-            if not waiter.done():
-                if deadline > now:
-                    self._arm(loop, deadline)
-                    return
-                waiter.set_exception(TimeoutError())
-            heapq.heappop(heap)
 
 
 class _WriteLock:

@@ -30,11 +30,11 @@ The same queue serves other small writes that pile up on SQLite's one writer
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from roomservice.futures import Deadlines
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 U = TypeVar("U")
@@ -65,12 +65,9 @@ class GroupCommit(Generic[U, R]):
         self._timeout_s = timeout_s
         self._queue: list[tuple[U, asyncio.Future[R]]] = []
         self._drainers: set[asyncio.Task[None]] = set()  # held so a task is not collected mid-run
-        # save()'s deadlines, in the order they fall (every caller has the same timeout), and ONE
-        # timer for the earliest: an asyncio.timeout per save was a timer armed and cancelled per
-        # command (~7 us of CPU each, issue 12)
-        self._deadlines: deque[tuple[float, asyncio.Future[R]]] = deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        # save()'s deadlines: ONE timer for the earliest, not an asyncio.timeout (a timer armed and
+        # cancelled) per command
+        self._deadlines = Deadlines(self._expired)
         self.transactions = 0  # shared transactions started
         self.mutations = 0  # mutations they carried
 
@@ -79,38 +76,13 @@ class GroupCommit(Generic[U, R]):
         raise its failure."""
         future = self.enqueue(unit)
         if self._timeout_s is not None:
-            self._watch(future, self._timeout_s)
-        # past the deadline the future fails (_expire), cancelled with its caller it is cancelled:
+            self._deadlines.watch(future, future.get_loop().time() + self._timeout_s)
+        # past the deadline the future fails (_expired), cancelled with its caller it is cancelled:
         # either way it is done, and a batch not taken yet skips it
         return await future
 
-    def _watch(self, future: asyncio.Future[R], timeout_s: float) -> None:
-        loop = future.get_loop()
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][1].done():  # answered: nothing left to time out
-            deadlines.popleft()
-        deadlines.append((loop.time() + timeout_s, future))
-        if self._timer is None or self._timer_loop is not loop:  # (a timer of a loop since closed never fires)
-            self._timer, self._timer_loop = loop.call_at(deadlines[0][0], self._expire), loop
-
-    def _expire(self) -> None:
-        """The timer: fail every future whose deadline has passed, and arm for the next one."""
-        self._timer = None
-        deadlines = self._deadlines
-        if not deadlines:
-            return
-        loop = deadlines[0][1].get_loop()
-        now = loop.time()
-        while deadlines:
-            deadline, future = deadlines[0]
-            if not future.done():
-                if deadline > now:
-                    self._timer = loop.call_at(deadline, self._expire)
-                    return
-                future.set_exception(
-                    StoreDeadlineExceeded(f"database call exceeded its {self._timeout_s:g}s deadline")
-                )
-            deadlines.popleft()
+    def _expired(self, future: asyncio.Future[R]) -> None:
+        future.set_exception(StoreDeadlineExceeded(f"database call exceeded its {self._timeout_s:g}s deadline"))
 
     def enqueue(self, unit: U) -> asyncio.Future[R]:
         """Queue ``unit`` now, behind every unit queued before it; the future is its result once the
