@@ -148,6 +148,44 @@ def _check_envelope(payload: bytes) -> None:
     PAYLOAD_TYPES[pb.RoomOutboxEvent.FromString(payload).type]
 
 
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """How the rows of one event type with one set of targets done are published: worked out once
+    per such pair (the publishers are fixed when the worker is built), not per row."""
+
+    needed: tuple[str, ...]  # the targets still to reach, sorted
+    publishers: tuple[Publisher | None, ...]  # by target, None where this process has none
+    decode: bool  # a publisher takes the decoded Event (the broker target takes the row's own fields)
+    piped: tuple[str, PipeliningPublisher] | None  # the one target, when its publisher pipelines
+
+
+class _Tally:
+    """A batch's publish attempts, counted and timed in memory and written to the metrics once, at its
+    end (``flush``): a counter and a histogram update per attempt were a lock and a bisect each."""
+
+    __slots__ = ("counts", "latencies")
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+        self.latencies: dict[str, list[float]] = {}
+
+    def add(self, target: str, outcome: str, seconds: float) -> None:
+        key = (target, outcome)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        latencies = self.latencies.get(target)
+        if latencies is None:
+            latencies = self.latencies[target] = []
+        latencies.append(seconds)
+
+    def flush(self) -> None:
+        counts, latencies = self.counts, self.latencies
+        self.counts, self.latencies = {}, {}
+        for (target, outcome), n in counts.items():
+            _count_delivery(target, outcome, n)
+        for target, seconds in latencies.items():
+            observe_many(_publish_seconds(target), seconds)
+
+
 class WorkerNotReady(errors.Unavailable):
     """The readiness check's answer: the worker is stopped, stuck, or its cycles fail."""
 
@@ -198,7 +236,8 @@ class OutboxWorker:
         self._failing: str | None = None  # why the last cycle failed; None when it did not
         self._unfinished: _Finish | None = None  # a finish whose write failed: retried first
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
-        self._needed: dict[tuple[str, frozenset[str]], tuple[str, ...]] = {}  # targets still to reach, sorted
+        self._routes: dict[tuple[str, frozenset[str]], _Route] = {}  # by (event type, targets done)
+        self._tally = _Tally()  # the current batch's attempts, written to the metrics at its end
         self._carried: list[ClaimedRow] | None = None  # claimed by the last finish, published next cycle
         self._deferred = False  # the last cycle handed rows back that were due: no poll sleep before the next
 
@@ -392,6 +431,7 @@ class OutboxWorker:
                 runners = [runner() for _ in range(min(self.options.publish_concurrency, len(plain)))]
                 await asyncio.gather(*runners, *([piper()] if piped else []))
         finally:
+            self._tally.flush()
             timer.cancel()
             for task in keeper:
                 task.cancel()
@@ -488,15 +528,25 @@ class OutboxWorker:
                     _log.warning("outbox_claims_lost", owner=self.owner, expected=len(row_ids), changed=kept)
             await asyncio.sleep(self.options.extend_every_s)
 
-    def _targets_needed(self, row: ClaimedRow) -> tuple[str, ...]:
+    def _route(self, row: ClaimedRow) -> _Route:
         key = (row.event_type, row.targets_done)
-        needed = self._needed.get(key)
-        if needed is None:
-            if len(self._needed) >= 1024:  # event types are few; a bound against odd rows all the same
-                self._needed.clear()
+        route = self._routes.get(key)
+        if route is None:
+            if len(self._routes) >= 1024:  # event types are few; a bound against odd rows all the same
+                self._routes.clear()
             required = required_targets(row.event_type, self.options.mode)
-            needed = self._needed[key] = tuple(sorted(required - row.targets_done))
-        return needed
+            needed = tuple(sorted(required - row.targets_done))
+            publishers = tuple(self.publishers.get(target) for target in needed)
+            piped = None
+            if len(needed) == 1 and getattr(publishers[0], "pipelined", False):
+                piped = needed[0], cast(PipeliningPublisher, publishers[0])
+            route = self._routes[key] = _Route(
+                needed,
+                publishers,
+                decode=any(p is not None and not hasattr(p, "publish_claimed") for p in publishers),
+                piped=piped,
+            )
+        return route
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
         """Publish ``row`` to every target it still needs; never raises. Lines logged meanwhile name the event."""
@@ -506,13 +556,13 @@ class OutboxWorker:
             return await self._deliver(row)
 
     async def _deliver(self, row: ClaimedRow) -> Outcome:
-        needed = self._targets_needed(row)
-        publishers = [self.publishers.get(target) for target in needed]
+        route = self._route(row)
+        needed, publishers = route.needed, route.publishers
         event: Event | None = None
         try:
             # the Event is decoded only for a publisher that takes one (the broker target
             # takes the claimed row's own fields); an undecodable row is refused either way
-            if any(p is not None and not hasattr(p, "publish_claimed") for p in publishers):
+            if route.decode:
                 event = decode_event(row.payload)
             else:
                 _check_envelope(row.payload)
@@ -540,15 +590,7 @@ class OutboxWorker:
     def _pipelined(self, row: ClaimedRow) -> tuple[str, PipeliningPublisher] | None:
         """(target, publisher) when the row needs one target whose publisher pipelines, else None
         (tracing on: every row takes the traced path)."""
-        if tracing.ENABLED:
-            return None
-        needed = self._targets_needed(row)
-        if len(needed) != 1:
-            return None
-        publisher = self.publishers.get(needed[0])
-        if publisher is None or not getattr(publisher, "pipelined", False):
-            return None
-        return needed[0], cast(PipeliningPublisher, publisher)
+        return None if tracing.ENABLED else self._route(row).piped
 
     def _outcome(self, row: ClaimedRow, target: str, result: tuple[bool, str] | None) -> Outcome:
         """The Outcome of an attempt at ``row``'s one target that ended with ``result``."""
@@ -571,11 +613,11 @@ class OutboxWorker:
         return "retryable", (False, repr(error))  # a publisher bug is retried, like an outage
 
     def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
-        """An attempt's end: None on success, else (permanent, message); beats and counts it."""
+        """An attempt's end: None on success, else (permanent, message); beats and counts it (in the
+        batch's tally: the metrics see it when the batch's publishing ends)."""
         outcome, result = self._classify(error)
         self._beat()
-        _count_delivery(target, outcome)
-        _publish_seconds(target).observe(time.perf_counter() - started)
+        self._tally.add(target, outcome, time.perf_counter() - started)
         return result
 
     async def _publish(
@@ -664,8 +706,8 @@ class _Pipeline:
 
     Per row this costs a send and a done callback: the acknowledgements' deadlines share one timer
     (:class:`~roomservice.futures.Deadlines`: one past its own is cancelled, which its callback
-    counts as a timeout); the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the batch's
-    publish latencies and outcome counts go to the metrics once, at its end."""
+    counts as a timeout); the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the
+    attempts' latencies and outcomes go to the batch's tally (:class:`_Tally`)."""
 
     def __init__(self, worker: OutboxWorker, semaphore: asyncio.Semaphore) -> None:
         self.worker = worker
@@ -676,8 +718,6 @@ class _Pipeline:
         self.deadlines = Deadlines(_give_up)  # the acknowledgements not in yet
         self.outstanding = 0
         self.idle: asyncio.Future[None] | None = None  # set when the last acknowledgement is in
-        self.counts: dict[tuple[str, str], int] = {}
-        self.latencies: dict[str, list[float]] = {}
 
     async def run(
         self, order: list[tuple[ClaimedRow, str, PipeliningPublisher, int]], started: float, untried: list[ClaimedRow]
@@ -691,10 +731,6 @@ class _Pipeline:
         finally:
             for ack in self.deadlines.close():  # cancelled: let go of the acknowledgements still outstanding
                 ack.cancel()
-            for (target, outcome), n in self.counts.items():
-                _count_delivery(target, outcome, n)
-            for target, seconds in self.latencies.items():
-                observe_many(_publish_seconds(target), seconds)
         return self.outcomes
 
     async def _send_all(
@@ -756,12 +792,7 @@ class _Pipeline:
     def _ended(self, row: ClaimedRow, target: str, t0: float, error: BaseException | None) -> Outcome:
         outcome, result = self.worker._classify(error)
         self.worker._beat()
-        key = (target, outcome)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        latencies = self.latencies.get(target)
-        if latencies is None:
-            latencies = self.latencies[target] = []
-        latencies.append(time.perf_counter() - t0)
+        self.worker._tally.add(target, outcome, time.perf_counter() - t0)
         return self.worker._outcome(row, target, result)
 
     def _acknowledged(

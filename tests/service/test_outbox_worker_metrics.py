@@ -1,0 +1,80 @@
+"""The worker's attempt metrics (``room_outbox_deliveries_total``, ``room_outbox_publish_seconds``):
+counted in a batch's tally and written once at the batch's end, they must still say exactly what each
+attempt did, on the row-after-row path and on the pipeline."""
+
+from __future__ import annotations
+
+from tests.service.conftest import Clock
+from tests.service.test_outbox_worker import JOINED, insert_rows, make_event, row
+from tests.service.test_outbox_worker_broker_path import PipeliningFakeBroker, mq_worker
+
+from roomservice.brokers.port import BrokerUnavailable
+from roomservice.observability.metrics import REGISTRY
+from roomservice.outbox.model import BROKER, PublishMode
+from roomservice.outbox.policy import RetryPolicy
+from roomservice.outbox.sql import SqlOutboxRepository
+from roomservice.outbox.worker import OutboxWorker, WorkerOptions
+from roomservice.publishers.fake import FakePublisher
+from roomservice.publishers.port import PublisherSet
+from roomservice.store.database import Database
+
+OUTCOMES = ("ok", "retryable", "permanent", "timeout")
+
+
+def attempts(target: str) -> dict[str, float]:
+    """Attempts counted so far for ``target``, by outcome, and the publish-seconds histogram's count."""
+    seen = {
+        outcome: REGISTRY.get_sample_value("room_outbox_deliveries_total", {"target": target, "outcome": outcome})
+        or 0.0
+        for outcome in OUTCOMES
+    }
+    seen["timed"] = REGISTRY.get_sample_value("room_outbox_publish_seconds_count", {"target": target}) or 0.0
+    return seen
+
+
+def direct_worker(database: Database, clock: Clock, *publishers: FakePublisher, **options: float) -> OutboxWorker:
+    return OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({p.name: p for p in publishers}),
+        policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=8_000, max_retry_count=10, jitter=0),
+        options=WorkerOptions(mode=PublishMode.DIRECT, **options),  # type: ignore[arg-type]
+        clock=clock,
+    )
+
+
+def grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in before if after[key] != before[key]}
+
+
+async def test_every_attempt_of_a_row_after_row_batch_is_counted_and_timed_once(
+    database: Database, clock: Clock
+) -> None:
+    im, activity = FakePublisher("im"), FakePublisher("activity")
+    events = [make_event(JOINED, room=f"r{n}") for n in range(5)]
+    await insert_rows(database, *events)
+    im.fail_times = 2  # the first two IM attempts fail (retryable), the other three succeed
+    im_before, activity_before = attempts("im"), attempts("activity")
+    assert await direct_worker(database, clock, im, activity).run_once() == 5
+    assert grown(im_before, attempts("im")) == {"ok": 3, "retryable": 2, "timed": 5}
+    assert grown(activity_before, attempts("activity")) == {"ok": 5, "timed": 5}
+
+
+async def test_a_timed_out_and_a_permanent_attempt_are_counted_as_such(database: Database, clock: Clock) -> None:
+    im, activity = FakePublisher("im"), FakePublisher("activity")
+    await insert_rows(database, make_event(JOINED))
+    im.hang, activity.permanent = True, True
+    im_before, activity_before = attempts("im"), attempts("activity")
+    await direct_worker(database, clock, im, activity, publish_timeout_s=0.1).run_once()
+    assert grown(im_before, attempts("im")) == {"timeout": 1, "timed": 1}
+    assert grown(activity_before, attempts("activity")) == {"permanent": 1, "timed": 1}
+
+
+async def test_the_pipelines_attempts_are_counted_and_timed_once(database: Database, clock: Clock) -> None:
+    events = [make_event(JOINED, room=f"r{n}") for n in range(4)]
+    await insert_rows(database, *events)
+    pipelining = PipeliningFakeBroker()
+    pipelining.fail[events[0].event_id] = BrokerUnavailable("reconnecting")
+    before = attempts(BROKER)
+    await mq_worker(database, clock, pipelining).run_once()
+    assert grown(before, attempts(BROKER)) == {"ok": 3, "retryable": 1, "timed": 4}
+    assert (await row(database, events[0].event_id)).status == "retryable"
