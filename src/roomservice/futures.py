@@ -8,6 +8,11 @@ below with its own conversion, without a task per message).
 for the earliest instead of an ``asyncio.timeout`` (a timer armed and cancelled) per future:
 the outbox worker's pipelined acknowledgements, the group commit's saves and the SQLite units
 (issue 12: ~7-10 us of CPU per timer on this machine).
+
+``Bounds``: the same for blocks of code: ``async with bounds.within(delay)`` is
+``async with asyncio.timeout(delay)`` (the task is cancelled at the deadline, the block raises
+``TimeoutError``, a cancellation from elsewhere stays a cancellation), with one timer for every
+block in flight: the outbox worker's publish attempts, one per row and target.
 """
 
 from __future__ import annotations
@@ -102,3 +107,86 @@ class Deadlines:
                     return
                 self._on_expiry(future)
             heapq.heappop(heap)
+
+
+# A bounded block's states, as asyncio.Timeout's.
+_ENTERED, _EXPIRING, _EXITED = 1, 2, 3
+
+
+class Bounds:
+    """Time bounds of ``async with`` blocks, kept by ONE timer armed for the earliest deadline of a
+    block still running (see the module doc). A block that ends before its deadline (almost all)
+    costs a heap entry, dropped when the timer or a later block passes it; not an armed and
+    cancelled timer of its own. One event loop at a time (a new loop starts afresh)."""
+
+    __slots__ = ("_heap", "_loop", "_order", "_timer", "_timer_at")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, _Bound]] = []
+        self._order = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    def within(self, delay: float) -> _Bound:
+        """A block bounded by ``delay`` seconds from when it is entered."""
+        return _Bound(self, delay)
+
+    def _add(self, bound: _Bound, loop: asyncio.AbstractEventLoop) -> None:
+        heap = self._heap
+        if loop is not self._loop:  # a loop since closed never fires its timer: start afresh
+            heap.clear()
+            self._loop, self._timer = loop, None
+        while heap and heap[0][2].state == _EXITED:
+            heapq.heappop(heap)
+        heapq.heappush(heap, (bound.deadline, next(self._order), bound))
+        if self._timer is None or bound.deadline < self._timer_at:
+            self._arm(loop, heap[0][0])
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(at, self._expire, loop), at
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        heap, now = self._heap, loop.time()
+        while heap:
+            deadline, _, bound = heap[0]
+            if bound.state == _ENTERED:
+                if deadline > now:
+                    self._arm(loop, deadline)
+                    return
+                bound.expire()
+            heapq.heappop(heap)
+
+
+class _Bound:
+    __slots__ = ("bounds", "deadline", "delay", "state", "task")
+
+    def __init__(self, bounds: Bounds, delay: float) -> None:
+        self.bounds, self.delay = bounds, delay
+        self.deadline = 0.0
+        self.state = 0
+        self.task: asyncio.Task[Any] | None = None
+
+    async def __aenter__(self) -> _Bound:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a bound must be entered in a task")
+        loop = task.get_loop()
+        self.task, self.state, self.deadline = task, _ENTERED, loop.time() + self.delay
+        self.bounds._add(self, loop)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        expiring = self.state == _EXPIRING
+        self.state = _EXITED
+        # as asyncio.Timeout: the cancellation is ours only when no one else cancelled the task too
+        if expiring and self.task is not None and self.task.uncancel() == 0 and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
+
+    def expire(self) -> None:
+        self.state = _EXPIRING
+        if self.task is not None:
+            self.task.cancel()
