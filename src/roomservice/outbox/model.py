@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from roomservice.domain.routing import Target, targets_of
 
@@ -50,8 +50,12 @@ def format_targets(targets: frozenset[str] | set[str]) -> str:
     return ",".join(sorted(targets))
 
 
-@dataclass(frozen=True, slots=True)
-class ClaimedRow:
+# ClaimedRow and Outcome are built for every row of every batch: named tuples, immutable like the
+# frozen dataclasses they were and a third of their construction cost (a frozen dataclass sets each
+# field through object.__setattr__: ~2-3.5 us for a ClaimedRow, ~1.5 us for an Outcome; issue 12).
+
+
+class ClaimedRow(NamedTuple):
     """A row this worker holds until ``lock_until_ms``: the payload plus what finishing needs."""
 
     id: int
@@ -69,8 +73,7 @@ class ClaimedRow:
     trace_context: str | None = None  # the committing command's traceparent (tracing on)
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """What happened to one claimed row in one attempt."""
 
     row: ClaimedRow

@@ -54,7 +54,7 @@ from typing import Any, cast
 
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
-from roomservice.futures import Deadlines
+from roomservice.futures import Bounds, Deadlines
 from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger, log_context
 from roomservice.observability.metrics import (
@@ -238,6 +238,7 @@ class OutboxWorker:
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
         self._routes: dict[tuple[str, frozenset[str]], _Route] = {}  # by (event type, targets done)
         self._tally = _Tally()  # the current batch's attempts, written to the metrics at its end
+        self._bounds = Bounds()  # the publish attempts' publish_timeout: one timer for those in flight
         self._carried: list[ClaimedRow] | None = None  # claimed by the last finish, published next cycle
         self._deferred = False  # the last cycle handed rows back that were due: no poll sleep before the next
 
@@ -632,8 +633,8 @@ class OutboxWorker:
         try:
             # the attempt's one deadline: the worker's bound (a publisher may ignore it), and
             # the same instant given to the publisher
-            async with asyncio.timeout(timeout):
-                deadline = asyncio.get_running_loop().time() + timeout
+            async with self._bounds.within(timeout) as bound:
+                deadline = bound.deadline
                 if event is None:
                     await publisher.publish_claimed(  # type: ignore[attr-defined]
                         event_id=row.event_id,
