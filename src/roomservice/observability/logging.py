@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, TextIO
 
 import orjson
 import structlog
-from structlog.contextvars import bind_contextvars, reset_contextvars
+from structlog.contextvars import bind_contextvars
 
 
 def _repr(value: Any) -> str:
@@ -129,7 +129,9 @@ class log_context:  # lower case: used like the context manager function it repl
     ``structlog.contextvars.bound_contextvars`` at a fraction of its cost, for the hot paths
     (a command, an outbox row, a consumer delivery): that one reads the whole context first to
     save what it overrides and is a generator context manager; the contextvars' own tokens put
-    back exactly the values before (or their absence)."""
+    back exactly the values before (or their absence). The variables are structlog's own (so
+    ``merge_contextvars``, ``get_contextvars`` and ``clear_contextvars`` see them), looked up once
+    per name instead of a prefixed name built and looked up per value and per reset."""
 
     __slots__ = ("_tokens", "_values")
 
@@ -137,10 +139,29 @@ class log_context:  # lower case: used like the context manager function it repl
         self._values = values
 
     def __enter__(self) -> None:
-        self._tokens = bind_contextvars(**self._values)
+        variables = _variables
+        tokens = []
+        for name, value in self._values.items():
+            var = variables.get(name)
+            if var is None:
+                var = _variable(name)
+            tokens.append(var.set(value))
+        self._tokens = tokens
 
     def __exit__(self, *exc: object) -> None:
-        reset_contextvars(**self._tokens)
+        for token in reversed(self._tokens):
+            token.var.reset(token)
+
+
+_variables: dict[str, contextvars.ContextVar[Any]] = {}
+
+
+def _variable(name: str) -> contextvars.ContextVar[Any]:
+    """structlog's context variable of ``name`` (created by structlog when it has none yet)."""
+    token = bind_contextvars(**{name: Ellipsis})[name]
+    token.var.reset(token)
+    _variables[name] = token.var
+    return token.var
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
