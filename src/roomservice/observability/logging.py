@@ -22,6 +22,7 @@ import contextvars
 import datetime
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
@@ -90,9 +91,26 @@ def write_info_line(event: str, fields: dict[str, Any]) -> bool:
         if var.name.startswith(_CONTEXT_PREFIX) and context[var] is not Ellipsis:
             fields.setdefault(var.name[len(_CONTEXT_PREFIX) :], context[var])
     fields["level"] = "info"
-    fields["timestamp"] = datetime.datetime.now(tz=_UTC).isoformat().replace("+00:00", "Z")
+    fields["timestamp"] = iso_utc(time.time_ns())
     lines.logger.msg(_orjson_dumps(fields))
     return True
+
+
+_second: tuple[int, str] = (-1, "")  # the last second formatted: its number, its text
+
+
+def iso_utc(ns: int) -> str:
+    """The time ``ns`` (nanoseconds since the epoch) as structlog's ``TimeStamper(fmt="iso", utc=True)``
+    writes the present: ``datetime.now(UTC).isoformat()`` (microseconds floored, left out when 0) with
+    ``Z`` for ``+00:00``. The date and time of day are formatted once a second (~2.4 -> 0.4 us a line)."""
+    global _second
+    second, rest = divmod(ns, 1_000_000_000)
+    formatted, prefix = _second
+    if formatted != second:
+        prefix = datetime.datetime.fromtimestamp(second, tz=_UTC).isoformat()[:-6]  # without "+00:00"
+        _second = (second, prefix)
+    micro = rest // 1000
+    return f"{prefix}.{micro:06d}Z" if micro else prefix + "Z"
 
 
 def configure_logging(*, level: str = "info", json: bool = True, file: TextIO | None = None) -> None:
