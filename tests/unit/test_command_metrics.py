@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import Counter, Histogram
 
-from roomservice.observability.metrics import STAGES, CommandMetrics, FlushingRegistry
+from roomservice.observability.metrics import STAGES, CommandMetrics, FlushingRegistry, HeldBack
 from roomservice.observability.timing import CommandTiming
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -98,3 +99,46 @@ async def test_command_timing_counts_in_the_process_registry() -> None:
     for i in range(5):
         CommandTiming(command="MetricsProbe", app_code="a", room_id="r", command_id=f"c{i}", total_ms=1.0).emit()
     assert REGISTRY.get_sample_value("room_commands_total", labels) == before + 5
+
+
+held_entries = st.lists(
+    st.tuples(st.sampled_from(["im_bridge", "activity"]), st.one_of(st.none(), st.floats(0, 10, allow_nan=False))),
+    max_size=40,
+)
+
+
+@given(held_entries, st.integers(min_value=1, max_value=10))
+def test_held_back_increments_and_observations_export_what_direct_ones_do(
+    entries: list[tuple[str, float | None]], flush_every: int
+) -> None:
+    one, many = FlushingRegistry(), FlushingRegistry()
+    metrics = []
+    for registry in (one, many):
+        counter = Counter("c_total", "c", ["group"], registry=registry)
+        histogram = Histogram("h_seconds", "h", ["group"], buckets=(0.01, 0.1, 1, 5), registry=registry)
+        metrics.append((counter, histogram))
+    held = HeldBack(many)
+    (c_one, h_one), (c_many, h_many) = metrics
+    for i, (group, value) in enumerate(entries):
+        if value is None:
+            c_one.labels(group).inc()
+            held._held.append((c_many.labels(group), None))  # as inc() inside a running loop
+        else:
+            h_one.labels(group).observe(value)
+            held._held.append((h_many.labels(group), value))
+        if i % flush_every == 0:
+            held.flush()
+    _assert_same(_samples(many), _samples(one))
+    assert not held._held
+
+
+async def test_held_back_is_applied_once_the_turn_is_over() -> None:
+    registry = FlushingRegistry()
+    counter = Counter("c_total", "c", registry=registry)
+    held = HeldBack(registry)
+    held.inc(counter)
+    held.inc(counter)
+    assert len(held._held) == 2
+    await asyncio.sleep(0)  # one turn: the flush the first inc scheduled (call_soon, FIFO) runs before us
+    assert not held._held
+    assert registry.get_sample_value("c_total") == 2

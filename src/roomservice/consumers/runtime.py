@@ -272,10 +272,10 @@ class GroupRunner:
                 self.counts.duplicates += 1
             else:
                 self.counts.applied += 1
-            self._counted[outcome].inc()
+            m.HELD_BACK.inc(self._counted[outcome])  # once per turn of the loop with the others
             await self._settle(delivery, nack_delay_s=None, reason="")
         finally:
-            self._handle_seconds.observe(time.perf_counter() - started)
+            m.HELD_BACK.observe(self._handle_seconds, time.perf_counter() - started)
             self._running -= 1
             self._handling -= 1
             self._slots.release()

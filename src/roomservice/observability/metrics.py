@@ -251,12 +251,62 @@ class CommandMetrics:
         return children
 
 
+class HeldBack:
+    """Counter increments and histogram observations of a hot path (a consumer delivery), held back
+    and applied once per turn of the event loop, as :class:`CommandMetrics` does for commands: each
+    child incremented once by its count, each histogram child with :func:`observe_many`. The
+    registry applies what is held before every collect."""
+
+    def __init__(self, registry: FlushingRegistry) -> None:
+        self._held: list[tuple[Any, float | None]] = []  # (child, value); None: a counter's +1
+        registry.before_collect.append(self.flush)
+
+    def inc(self, counter: Any) -> None:
+        """``counter.inc()``, applied by the next flush."""
+        self._hold((counter, None))
+
+    def observe(self, histogram: Any, value: float) -> None:
+        """``histogram.observe(value)``, applied by the next flush."""
+        self._hold((histogram, value))
+
+    def _hold(self, entry: tuple[Any, float | None]) -> None:
+        held = self._held
+        held.append(entry)
+        if len(held) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:
+                self.flush()
+        elif len(held) >= _FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply everything held (from any thread, as :meth:`CommandMetrics.flush`)."""
+        held = self._held
+        batch = held[:]
+        if not batch:
+            return
+        del held[: len(batch)]
+        counts: dict[Any, int] = {}
+        values: dict[Any, list[float]] = {}
+        for child, value in batch:
+            if value is None:
+                counts[child] = counts.get(child, 0) + 1
+            else:
+                values.setdefault(child, []).append(value)
+        for counter, count in counts.items():
+            counter.inc(count)
+        for histogram, observed in values.items():
+            observe_many(histogram, observed)
+
+
 COMMAND_METRICS = CommandMetrics(REGISTRY)
 COMMANDS, COMMAND_SECONDS, COMMAND_STAGE_SECONDS = (
     COMMAND_METRICS.commands,
     COMMAND_METRICS.seconds,
     COMMAND_METRICS.stage_seconds,
 )
+HELD_BACK = HeldBack(REGISTRY)
 
 
 # --------------------------------------------------------------------------- leases
