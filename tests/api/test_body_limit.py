@@ -1,5 +1,4 @@
-"""receive_body arms its deadline only for what has to wait; ``started`` goes on with an awaitable
-run up to its first wait exactly as awaiting it would have."""
+"""receive_body arms its deadline only for what has to wait, and whatever has to wait is bounded."""
 
 from __future__ import annotations
 
@@ -9,52 +8,7 @@ import pytest
 from starlette.types import Message
 
 from roomservice import errors
-from roomservice.api.body_limit import BodyReadTimeout, ClientGone, Started, receive_body, started
-
-
-async def test_started_returns_the_result_of_an_awaitable_that_did_not_wait() -> None:
-    async def ready() -> int:
-        return 7
-
-    assert started(ready()) == 7
-
-
-async def test_a_started_awaitable_goes_on_where_it_waited() -> None:
-    gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-    async def waits() -> int:
-        return await gate + 1
-
-    pending = started(waits())
-    assert isinstance(pending, Started)
-    asyncio.get_running_loop().call_soon(gate.set_result, 41)
-    assert await pending == 42
-
-
-async def test_a_cancellation_reaches_the_started_awaitable() -> None:
-    gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    seen: list[str] = []
-
-    async def waits() -> int:
-        try:
-            return await gate
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-
-    pending = started(waits())
-    assert isinstance(pending, Started)
-
-    async def await_it() -> int:
-        return await pending
-
-    task = asyncio.create_task(await_it())
-    await asyncio.sleep(0)  # one turn: the task now waits on the gate
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert seen == ["cancelled"]
-    assert gate.cancelled()
+from roomservice.api.body_limit import BodyReadTimeout, ClientGone, receive_body
 
 
 def _receiver(messages: list[Message]) -> tuple[list[Message], object]:

@@ -12,13 +12,13 @@ sees the request; see docs/http.md for what bounds them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Generator
-from typing import Any, Final, Generic, TypeVar, cast
+from typing import Any, Final
 
 from starlette.requests import Request
 from starlette.types import Message, Receive
 
 from roomservice import errors
+from roomservice.futures import Started, started
 
 DEADLINE_SCOPE_KEY: Final = "roomservice.body_deadline"  # loop time by which the body must have arrived
 
@@ -111,50 +111,6 @@ async def receive_body(
 
 def _joined(chunks: list[bytes]) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-T = TypeVar("T")
-
-
-class Started(Generic[T]):
-    """An awaitable run up to its first wait (:func:`started`); awaiting this goes on from there,
-    as awaiting the awaitable itself would have: what the task is sent or thrown (a cancellation)
-    is passed on to it."""
-
-    __slots__ = ("_it", "_yielded")
-
-    def __init__(self, it: Generator[Any, Any, T], yielded: Any) -> None:
-        self._it, self._yielded = it, yielded
-
-    def __await__(self) -> Generator[Any, Any, T]:
-        it, yielded = self._it, self._yielded
-        while True:
-            try:
-                sent = yield yielded
-            except GeneratorExit:
-                it.close()
-                raise
-            except BaseException as exc:
-                try:
-                    yielded = it.throw(exc)
-                except StopIteration as stop:
-                    return cast(T, stop.value)
-            else:
-                try:
-                    yielded = it.send(sent)
-                except StopIteration as stop:
-                    return cast(T, stop.value)
-
-
-def started(awaitable: Awaitable[T]) -> T | Started[T]:
-    """Run ``awaitable`` until it has to wait: its result when it did not have to, else a
-    :class:`Started` to await for the rest (under a deadline, for instance)."""
-    it = awaitable.__await__()
-    try:
-        yielded = it.send(None)
-    except StopIteration as stop:
-        return cast(T, stop.value)
-    return Started(it, yielded)
 
 
 _UNPARSED: Final = object()
