@@ -4,6 +4,9 @@
 publishes: each layer an acknowledgement passes speaks its own errors, and relays the future
 below with its own conversion, without a task per message).
 
+``started`` / ``within``: an awaitable run up to its first wait, so that a deadline is armed
+only for what has to wait (a small request body already there, an in-process IM call).
+
 ``Deadlines``: futures that must be done by a deadline of their own, kept by ONE timer armed
 for the earliest instead of an ``asyncio.timeout`` (a timer armed and cancelled) per future:
 the outbox worker's pipelined acknowledgements, the group commit's saves and the SQLite units
@@ -20,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -54,6 +57,61 @@ def relay(
     inner.add_done_callback(forward)
     outer.add_done_callback(back)
     return outer
+
+
+class Started(Generic[T]):
+    """An awaitable run up to its first wait (:func:`started`); awaiting this goes on from there,
+    as awaiting the awaitable itself would have: what the task is sent or thrown (a cancellation)
+    is passed on to it."""
+
+    __slots__ = ("_it", "_yielded")
+
+    def __init__(self, it: Generator[Any, Any, T], yielded: Any) -> None:
+        self._it, self._yielded = it, yielded
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        it, yielded = self._it, self._yielded
+        while True:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                it.close()
+                raise
+            except BaseException as exc:
+                try:
+                    yielded = it.throw(exc)
+                except StopIteration as stop:
+                    return cast(T, stop.value)
+            else:
+                try:
+                    yielded = it.send(sent)
+                except StopIteration as stop:
+                    return cast(T, stop.value)
+
+
+def started(awaitable: Awaitable[T]) -> T | Started[T]:
+    """Run ``awaitable`` until it has to wait: its result when it did not have to, else a
+    :class:`Started` to await for the rest (under a deadline, for instance). What it raises before
+    it waits is raised here."""
+    it = awaitable.__await__()
+    try:
+        yielded = it.send(None)
+    except StopIteration as stop:
+        return cast(T, stop.value)
+    return Started(it, yielded)
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """``async with asyncio.timeout(timeout_s): return await awaitable``, the timer armed only if
+    ``awaitable`` has to wait: one that answers at once (an in-process call) cannot have run out
+    of time, as a timer could only have fired once it waited. The deadline is counted from the
+    call, as the timeout's would be."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    first = started(awaitable)
+    if not isinstance(first, Started):
+        return first
+    async with asyncio.timeout_at(deadline):
+        return await first
 
 
 class Deadlines:

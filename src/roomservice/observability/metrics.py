@@ -2,39 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import QueuePool
 
-REGISTRY = CollectorRegistry(auto_describe=True)
 
-COMMANDS = Counter(
-    "room_commands_total", "Room write commands by command and result", ["command", "result"], registry=REGISTRY
-)
-COMMAND_SECONDS = Histogram(
-    "room_command_seconds",
-    "Room write command latency",
-    ["command"],
-    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-    registry=REGISTRY,
-)
+class FlushingRegistry(CollectorRegistry):
+    """A registry that applies observations still held back (:class:`CommandMetrics`) before every
+    collect, so a scrape or ``get_sample_value`` always sees every command already recorded."""
 
+    def __init__(self, *, auto_describe: bool = False) -> None:
+        super().__init__(auto_describe=auto_describe)
+        self.before_collect: list[Callable[[], None]] = []
 
-_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+    def collect(self) -> Iterable[Metric]:
+        for flush in self.before_collect:
+            flush()
+        return super().collect()
 
 
-def observe_command(command: str, result: str, seconds: float) -> None:
-    """Count and time one command (label children cached: labels() takes a lock each call)."""
-    key = (command, result)
-    child = _children.get(key)
-    if child is None:
-        child = _children[key] = (COMMANDS.labels(command, result), COMMAND_SECONDS.labels(command))
-    child[0].inc()
-    child[1].observe(seconds)
+REGISTRY = FlushingRegistry(auto_describe=True)
 
 
 # --------------------------------------------------------------------------- outbox worker
@@ -150,30 +143,170 @@ def consumer_group_started(group: str) -> None:
 STAGES: Final = ("idempotency", "lease", "wallet_debit", "save_mutation", "snapshot", "projection", "total")
 """The stages of ``room_command_timing`` that get a latency histogram (``room_command_stage_seconds``)."""
 
-COMMAND_STAGE_SECONDS = Histogram(
-    "room_command_stage_seconds",
-    "Time one command spent in a stage of room_command_timing (a stage that did not run is not observed)",
-    ["command", "stage"],
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-    registry=REGISTRY,
-)
-
-_stage_children: dict[str, tuple[Histogram, ...]] = {}
+_LAST_STAGE: Final = len(STAGES) - 1
+_FLUSH_AT: Final = 1024  # recorded commands held back at most (a loop that never ran its flush)
 
 
-def observe_stages(command: str, stage_ms: Sequence[float]) -> None:
-    """Observe one command's stage timings, in :data:`STAGES` order, in milliseconds.
+class CommandMetrics:
+    """``room_commands_total``, ``room_command_seconds`` and ``room_command_stage_seconds``.
 
-    A stage at exactly 0 never ran (no gift, no snapshot due, a replay) and is
-    skipped, except ``total``, which is always observed.
+    A command is recorded (:meth:`record`: one list append) and applied with the other commands
+    recorded in the same turn of the event loop (:meth:`flush`, scheduled with ``call_soon`` by a
+    batch's first record): each counter child incremented once by the batch's count, each
+    histogram child updated by :func:`observe_many` (one increment per bucket) instead of one
+    ``observe`` per value — prometheus-client takes a lock for the sum and one for the bucket of
+    every value, ~10 µs of a command's 7 to 8 observations (issue 12). The registry flushes before
+    every collect, so what is exported never misses a recorded command; :meth:`observe` is the
+    same thing value by value (the reference the batched path is tested against).
     """
-    children = _stage_children.get(command)
-    if children is None:
-        children = _stage_children[command] = tuple(COMMAND_STAGE_SECONDS.labels(command, s) for s in STAGES)
-    last = len(STAGES) - 1
-    for i, (child, value) in enumerate(zip(children, stage_ms, strict=True)):
-        if value > 0 or i == last:
-            child.observe(value / 1000.0)
+
+    def __init__(self, registry: FlushingRegistry) -> None:
+        self.commands = Counter(
+            "room_commands_total", "Room write commands by command and result", ["command", "result"], registry=registry
+        )
+        self.seconds = Histogram(
+            "room_command_seconds",
+            "Room write command latency",
+            ["command"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        self.stage_seconds = Histogram(
+            "room_command_stage_seconds",
+            "Time one command spent in a stage of room_command_timing (a stage that did not run is not observed)",
+            ["command", "stage"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        # label children cached: labels() takes a lock each call
+        self._counters: dict[tuple[str, str], Counter] = {}
+        self._histograms: dict[str, tuple[Histogram, ...]] = {}  # room_command_seconds, then one per stage
+        self._pending: list[tuple[str, str, Sequence[float]]] = []
+        registry.before_collect.append(self.flush)
+
+    def record(self, command: str, result: str, stage_ms: Sequence[float]) -> None:
+        """One command: counted by ``(command, result)``; its stage timings, in :data:`STAGES` order
+        and milliseconds, observed (a stage at exactly 0 never ran and is skipped, except ``total``,
+        always observed, in ``room_command_seconds`` too). Applied by the next :meth:`flush`."""
+        pending = self._pending
+        pending.append((command, result, stage_ms))
+        if len(pending) == 1:  # the batch's first: apply the batch once this turn of the loop is over
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a synchronous caller): nothing to batch with
+                self.flush()
+        elif len(pending) >= _FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply every recorded command. Safe from any thread: the loop's thread only appends, and
+        a flush takes exactly the records it copied (a list copy and a slice delete are atomic)."""
+        pending = self._pending
+        batch = pending[:]
+        if not batch:
+            return
+        del pending[: len(batch)]
+        counts: dict[tuple[str, str], int] = {}
+        values: dict[str, list[list[float]]] = {}
+        for command, result, stage_ms in batch:
+            key = (command, result)
+            counts[key] = counts.get(key, 0) + 1
+            per_stage = values.get(command)
+            if per_stage is None:
+                per_stage = values[command] = [[] for _ in STAGES]
+            for i, ms in enumerate(stage_ms):
+                if ms > 0 or i == _LAST_STAGE:
+                    per_stage[i].append(ms / 1000.0)
+        for key, count in counts.items():
+            self._counter(*key).inc(count)
+        for command, per_stage in values.items():
+            seconds, *stages = self._children(command)
+            observe_many(seconds, per_stage[_LAST_STAGE])
+            for child, observed in zip(stages, per_stage, strict=True):
+                observe_many(child, observed)
+
+    def observe(self, command: str, result: str, stage_ms: Sequence[float]) -> None:
+        """What :meth:`record` does for one command, at once and value by value."""
+        self._counter(command, result).inc()
+        seconds, *stages = self._children(command)
+        seconds.observe(stage_ms[_LAST_STAGE] / 1000.0)
+        for i, (child, ms) in enumerate(zip(stages, stage_ms, strict=True)):
+            if ms > 0 or i == _LAST_STAGE:
+                child.observe(ms / 1000.0)
+
+    def _counter(self, command: str, result: str) -> Counter:
+        key = (command, result)
+        child = self._counters.get(key)
+        if child is None:
+            child = self._counters[key] = self.commands.labels(command, result)
+        return child
+
+    def _children(self, command: str) -> tuple[Histogram, ...]:
+        children = self._histograms.get(command)
+        if children is None:
+            children = self._histograms[command] = (
+                self.seconds.labels(command),
+                *(self.stage_seconds.labels(command, stage) for stage in STAGES),
+            )
+        return children
+
+
+class HeldBack:
+    """Counter increments and histogram observations of a hot path (a consumer delivery), held back
+    and applied once per turn of the event loop, as :class:`CommandMetrics` does for commands: each
+    child incremented once by its count, each histogram child with :func:`observe_many`. The
+    registry applies what is held before every collect."""
+
+    def __init__(self, registry: FlushingRegistry) -> None:
+        self._held: list[tuple[Any, float | None]] = []  # (child, value); None: a counter's +1
+        registry.before_collect.append(self.flush)
+
+    def inc(self, counter: Any) -> None:
+        """``counter.inc()``, applied by the next flush."""
+        self._hold((counter, None))
+
+    def observe(self, histogram: Any, value: float) -> None:
+        """``histogram.observe(value)``, applied by the next flush."""
+        self._hold((histogram, value))
+
+    def _hold(self, entry: tuple[Any, float | None]) -> None:
+        held = self._held
+        held.append(entry)
+        if len(held) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:
+                self.flush()
+        elif len(held) >= _FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply everything held (from any thread, as :meth:`CommandMetrics.flush`)."""
+        held = self._held
+        batch = held[:]
+        if not batch:
+            return
+        del held[: len(batch)]
+        counts: dict[Any, int] = {}
+        values: dict[Any, list[float]] = {}
+        for child, value in batch:
+            if value is None:
+                counts[child] = counts.get(child, 0) + 1
+            else:
+                values.setdefault(child, []).append(value)
+        for counter, count in counts.items():
+            counter.inc(count)
+        for histogram, observed in values.items():
+            observe_many(histogram, observed)
+
+
+COMMAND_METRICS = CommandMetrics(REGISTRY)
+COMMANDS, COMMAND_SECONDS, COMMAND_STAGE_SECONDS = (
+    COMMAND_METRICS.commands,
+    COMMAND_METRICS.seconds,
+    COMMAND_METRICS.stage_seconds,
+)
+HELD_BACK = HeldBack(REGISTRY)
 
 
 # --------------------------------------------------------------------------- leases

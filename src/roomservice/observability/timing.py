@@ -7,7 +7,8 @@ field, 413, a body that never came) is emitted by the route instead
 ids where the request gave no valid ones. Either way it counts once in
 ``room_commands_total`` and ``room_command_seconds``, and its stages (the
 ``*_ms`` fields of :data:`~roomservice.observability.metrics.STAGES`, those that
-ran) go to ``room_command_stage_seconds``.
+ran) go to ``room_command_stage_seconds``; these are applied once per turn of
+the event loop for all its commands (:class:`~roomservice.observability.metrics.CommandMetrics`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from roomservice.observability.logging import get_logger, write_info_line
-from roomservice.observability.metrics import observe_command, observe_stages
+from roomservice.observability.metrics import COMMAND_METRICS
 
 _log = get_logger("roomservice.command")
 
@@ -68,9 +69,9 @@ class CommandTiming:
         }
         if not write_info_line("room_command_timing", fields):
             _log.info("room_command_timing", **fields)
-        observe_command(self.command, self.result, self.total_ms / 1000.0)
-        observe_stages(
+        COMMAND_METRICS.record(
             self.command,
+            self.result,
             (
                 self.idempotency_ms,
                 self.lease_ms,

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 import httpx
 
+from roomservice.futures import within
 from roomservice.integrations.tencent_im.errors import (
     USERSIG_EXPIRED,
     ImPermanentError,
@@ -320,10 +321,11 @@ class TencentImClient:
         }
         content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         try:
-            async with asyncio.timeout(timeout):
-                if self._direct is not None:
-                    status, answer = await self._direct.rest_call(service, command, params, content)
-                else:
+            if self._direct is not None:
+                # the in-process sandbox answers without waiting: no timer armed for it (issue 12)
+                status, answer = await within(self._direct.rest_call(service, command, params, content), timeout)
+            else:
+                async with asyncio.timeout(timeout):
                     response = await self._http.post(
                         f"{self.base_url}/v4/{service}/{command}",
                         params=params,
