@@ -141,8 +141,10 @@ _LONG_UNITS_KEPT: Final = 256
 # WAL frames (pages) past which the inline writes' WAL is checkpointed: SQLite's own auto-checkpoint
 # threshold, which the inline connection has off (a checkpoint fsyncs: not on the loop's thread).
 _CHECKPOINT_FRAMES: Final = 1000
-_CHECKPOINT_FIRST_AFTER: Final = 100  # inline commits before the first checkpoint, until measured
-_CHECKPOINT_MAX_AFTER: Final = 10_000
+# Rows changed by inline commits before the first checkpoint, until the WAL's frames per changed row
+# are measured (one commit of a 200-row outbox batch fills tens of pages, a command's a few).
+_CHECKPOINT_FIRST_AFTER: Final = 500
+_CHECKPOINT_MAX_AFTER: Final = 1_000_000
 # Prepared statements a MySQL/MariaDB connection keeps (asyncmy's LRU): the hot statements of the
 # store, the outbox and the brokers, with room to spare; the server's max_prepared_stmt_count
 # (16,382) covers a pool of 40 at this size many times over.
@@ -486,23 +488,24 @@ class Database:
 
     def _checkpoint_if_due(self, inline: _InlineUnits) -> bool:
         """After an inline commit, with the write lock held: if the inline commits since the last
-        checkpoint have filled about :data:`_CHECKPOINT_FRAMES` pages of WAL, start one, handing
-        it the write lock (True), as SQLite's auto-checkpoint runs inside the commit that crosses
-        the threshold. With no write of this process in between, a PASSIVE checkpoint copies every
-        frame, so the next write starts the WAL over instead of growing it; and the writer that
-        crossed the threshold is answered at once, the writers after it wait for the lock."""
-        if inline.commits_since_checkpoint < inline.checkpoint_after or self._checkpointing is not None:
+        checkpoint have filled about :data:`_CHECKPOINT_FRAMES` pages of WAL (estimated from the
+        rows they changed), start one and hand it the write lock (True), as SQLite's auto-checkpoint
+        runs inside the commit that crosses the threshold. With no write of this process in between,
+        a PASSIVE checkpoint copies every frame, so the next write starts the WAL over instead of
+        growing it. The writer that crossed the threshold is answered at once; the writers after it
+        wait for the lock."""
+        if inline.changes_since_checkpoint < inline.checkpoint_after or self._checkpointing is not None:
             return False
-        commits, inline.commits_since_checkpoint = inline.commits_since_checkpoint, 0
-        task = asyncio.get_running_loop().create_task(self._checkpoint(inline, commits), name="database-checkpoint")
+        changes, inline.changes_since_checkpoint = inline.changes_since_checkpoint, 0
+        task = asyncio.get_running_loop().create_task(self._checkpoint(inline, changes), name="database-checkpoint")
         task.add_done_callback(self._checkpoint_done)  # releases the lock, even if cancelled before it ran
         self._checkpointing = task
         return True
 
-    async def _checkpoint(self, inline: _InlineUnits, commits: int) -> None:
+    async def _checkpoint(self, inline: _InlineUnits, changes: int) -> None:
         frames = await asyncio.get_running_loop().run_in_executor(self._threads, self._checkpoint_on_thread)
         self.unit_counts.checkpoints += 1
-        inline.checkpointed(commits, frames)
+        inline.checkpointed(changes, frames)
 
     def _checkpoint_done(self, task: asyncio.Task[None]) -> None:
         self._checkpointing = None
@@ -871,7 +874,8 @@ class _InlineUnits:
       loop once they have kept it for the budget.
     * the connection has auto-checkpoint off: a checkpoint fsyncs, and SQLite runs it inside the
       commit that crosses the threshold. :meth:`Database._checkpoint` does it on a thread instead,
-      after about as many commits as fill :data:`_CHECKPOINT_FRAMES` pages.
+      once the rows changed by inline commits have filled about :data:`_CHECKPOINT_FRAMES` pages
+      (frames per changed row measured at each checkpoint).
 
     One connection, kept open: inline units never overlap (each runs to its end synchronously).
     An inline unit is not interrupted at the deadline (it waits on nothing; the budget bounds its
@@ -889,7 +893,7 @@ class _InlineUnits:
         self._streak_since: float | None = None
         self._streak_loop: asyncio.AbstractEventLoop | None = None
         self.budget_s = _INLINE_BUDGET_S
-        self.commits_since_checkpoint = 0
+        self.changes_since_checkpoint = 0  # rows changed by inline commits (WAL pages, roughly)
         self.checkpoint_after = _CHECKPOINT_FIRST_AFTER
 
     def is_long(self, fn: object, args: tuple[Any, ...]) -> bool:
@@ -912,6 +916,7 @@ class _InlineUnits:
         """``fn`` in a write transaction, inline; the caller holds the write lock."""
         conn, driver, transaction = self._begin(write=True)
         budget = self._budget
+        changes_before = driver.total_changes
         try:
             budget.start(self.budget_s)
             result = fn(conn, *args, **kwargs)
@@ -929,7 +934,7 @@ class _InlineUnits:
         finally:
             self._running = False
         self._counts.inline += 1
-        self.commits_since_checkpoint += 1
+        self.changes_since_checkpoint += driver.total_changes - changes_before
         return result
 
     def read(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
@@ -1019,11 +1024,11 @@ class _InlineUnits:
         self._long.add(_unit_key(fn, args))
         _log.info("database_inline_unit_overran", unit=getattr(fn, "__qualname__", repr(fn)), budget_s=self.budget_s)
 
-    def checkpointed(self, commits: int, frames: int) -> None:
-        """A checkpoint found ``frames`` in the WAL after ``commits`` inline commits: checkpoint again
-        after as many commits as fill :data:`_CHECKPOINT_FRAMES`."""
-        if commits > 0 and frames > 0:
-            self.checkpoint_after = max(1, min(_CHECKPOINT_MAX_AFTER, round(_CHECKPOINT_FRAMES * commits / frames)))
+    def checkpointed(self, changes: int, frames: int) -> None:
+        """A checkpoint found ``frames`` in the WAL after inline commits changed ``changes`` rows:
+        checkpoint again after as many changed rows as fill :data:`_CHECKPOINT_FRAMES`."""
+        if changes > 0 and frames > 0:
+            self.checkpoint_after = max(1, min(_CHECKPOINT_MAX_AFTER, round(_CHECKPOINT_FRAMES * changes / frames)))
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
