@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sqlite3
 import subprocess
 import sys
@@ -54,12 +55,21 @@ async def test_sqlite_write_takes_the_write_lock_at_begin(tmp_path: Path) -> Non
         await db.dispose()
 
 
+def _sqlite_db(path: Path) -> Database:
+    """A database on SQLite file ``path`` whose inline units never count as slow (a cold first run can
+    take a millisecond: the counts the tests assert would depend on the machine)."""
+    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    assert db._inline is not None
+    db._inline.slow_s = math.inf
+    return db
+
+
 async def test_sqlite_units_take_the_write_lock_at_begin_and_reads_take_none(tmp_path: Path) -> None:
     # run_write / run_read issue their own BEGIN (their engine has no "begin" hook): the same
     # transactions as the write() / read() blocks, inline or on a thread (the "long" units); an
     # inline read holds one read snapshot for the unit, a threaded one reads in autocommit
     path = tmp_path / "room.db"
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     other = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)  # "another process"
     seen: list[str] = []
 
@@ -421,7 +431,7 @@ def _numbers(conn: sa.Connection) -> list[int]:
 
 async def test_sqlite_units_run_inline_on_the_loops_thread(tmp_path: Path) -> None:
     _create_table(tmp_path / "room.db")
-    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    db = _sqlite_db(tmp_path / "room.db")
     threads: list[int] = []
 
     def insert_here(conn: sa.Connection, n: int) -> int:
@@ -458,7 +468,7 @@ async def test_an_inline_write_refused_by_another_process_runs_on_a_thread_and_t
 ) -> None:
     path = tmp_path / "room.db"
     _create_table(path)
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     holder = await asyncio.create_subprocess_exec(
         sys.executable, "-c", _HOLD_THE_WRITE_LOCK, str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
@@ -494,7 +504,7 @@ async def test_an_inline_read_refused_runs_on_a_thread_and_the_loop_runs_meanwhi
     other.execute("SELECT 1 FROM t")  # in WAL with shared memory first: EXCLUSIVE can be left again
     other.execute("PRAGMA locking_mode=EXCLUSIVE")
     other.execute("INSERT INTO t VALUES (7)")  # takes the exclusive lock, keeps it
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     calls: list[int] = []
 
     def numbers(conn: sa.Connection) -> list[int]:
@@ -526,7 +536,7 @@ async def test_an_inline_read_whose_snapshot_is_refused_runs_once_on_a_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _create_table(tmp_path / "room.db")
-    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    db = _sqlite_db(tmp_path / "room.db")
     calls: list[int] = []
 
     def numbers(conn: sa.Connection) -> list[int]:
@@ -550,7 +560,7 @@ async def test_an_inline_read_whose_snapshot_is_refused_runs_once_on_a_thread(
 async def test_a_failing_unit_rolls_back_and_raises_the_same_inline_and_on_a_thread(tmp_path: Path, unit: str) -> None:
     path = tmp_path / "room.db"
     _create_table(path, "CREATE TABLE t (n INTEGER PRIMARY KEY)")
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     run_write = getattr(db, unit)
 
     def insert_then(conn: sa.Connection, n: int, then: str) -> None:
@@ -586,7 +596,7 @@ async def test_a_failing_commit_rolls_back_and_raises_the_same_inline_and_on_a_t
     with sqlite3.connect(path, isolation_level=None) as conn:
         conn.execute("CREATE TABLE t (n INTEGER REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)")
     conn.close()
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     try:
         with pytest.raises(sa.exc.IntegrityError, match="FOREIGN KEY"):
             await getattr(db, unit)(_insert, 1)
@@ -600,7 +610,7 @@ async def test_a_failing_commit_rolls_back_and_raises_the_same_inline_and_on_a_t
 
 async def test_inline_sql_past_its_budget_is_rolled_back_and_runs_again_on_a_thread(tmp_path: Path) -> None:
     _create_table(tmp_path / "room.db")
-    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    db = _sqlite_db(tmp_path / "room.db")
     assert db._inline is not None
     db._inline.budget_s = 0.001
     counting = (
@@ -625,9 +635,34 @@ async def test_inline_sql_past_its_budget_is_rolled_back_and_runs_again_on_a_thr
         await db.dispose()
 
 
-async def test_back_to_back_inline_units_let_the_loop_run(tmp_path: Path) -> None:
+async def test_a_unit_slow_inline_starts_on_a_thread_until_it_is_quick_there(tmp_path: Path) -> None:
     _create_table(tmp_path / "room.db")
     db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    assert db._inline is not None
+    counting = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < ?) SELECT count(*) FROM c"
+
+    def count(conn: sa.Connection, n: int) -> int:
+        return int(conn.exec_driver_sql(counting, (n,)).scalar_one())
+
+    try:
+        assert await db.run_read(count, 1) == 1  # warm (a cold first unit can be slow)
+        db._inline.slow_s, db._inline.budget_s = 0.005, 60  # (not stopped: only found slow)
+        assert await db.run_read(count, 300_000) == 300_000  # tens of milliseconds
+        counts = db.unit_counts
+        assert (counts.inline, counts.on_thread, counts.slow, counts.overruns) == (2, 0, 1, 0)
+        assert await db.run_read(count, 3) == 3  # that kind of unit starts on a thread now ...
+        assert (counts.inline, counts.on_thread) == (2, 1)
+        assert await db.run_read(count, 3) == 3  # ... and, quick there, inline again
+        assert (counts.inline, counts.on_thread) == (3, 1)
+        assert await db.run_read(_numbers) == []  # other kinds were inline all along
+        assert counts.inline == 4
+    finally:
+        await db.dispose()
+
+
+async def test_back_to_back_inline_units_let_the_loop_run(tmp_path: Path) -> None:
+    _create_table(tmp_path / "room.db")
+    db = _sqlite_db(tmp_path / "room.db")
     ran = asyncio.Event()
 
     async def other_coroutine() -> None:
@@ -653,7 +688,7 @@ def _size(path: Path) -> int:
 async def test_the_wal_of_inline_writes_is_checkpointed(tmp_path: Path) -> None:
     path = tmp_path / "room.db"
     _create_table(path, "CREATE TABLE t (n INTEGER, doc BLOB)")
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     wal = Path(f"{path}-wal")
 
     def insert(conn: sa.Connection, n: int) -> None:

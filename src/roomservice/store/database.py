@@ -136,8 +136,11 @@ _INLINE_BUDGET_S: Final = 0.02
 # SQLite VM steps between two looks at the clock while an inline statement runs (a few hundred
 # microseconds of work; the statements of the hot units never reach it)
 _INLINE_PROGRESS_STEPS: Final = 20_000
-# Units remembered as long (they overran inline once): they start on a thread from then on.
-_LONG_UNITS_KEPT: Final = 256
+# A unit that ran longer than this inline starts on a thread from then on (until a run there takes
+# less than half of it): its SQL (with the GIL released) then runs beside the loop's Python, and the
+# ~50 us of the hop are small beside it. The hot units (a command's save, a consumer's row) are shorter.
+_INLINE_SLOW_S: Final = 0.001
+_SLOW_UNITS_KEPT: Final = 256
 # WAL frames (pages) past which the inline writes' WAL is checkpointed: SQLite's own auto-checkpoint
 # threshold, which the inline connection has off (a checkpoint fsyncs: not on the loop's thread).
 _CHECKPOINT_FRAMES: Final = 1000
@@ -163,6 +166,8 @@ class UnitCounts:
     """Inline start refused (another process holds SQLite's write lock, say): run on a thread instead."""
     overruns: int = 0
     """Inline SQL past its budget: rolled back and run again on a thread."""
+    slow: int = 0
+    """Kinds of unit found slow inline (overruns included): they start on a thread for a while."""
     checkpoints: int = 0
     """WAL checkpoints run for the inline writes."""
 
@@ -408,11 +413,9 @@ class Database:
             async with self.write() as conn:
                 return await conn.run_sync(fn, *args, **kwargs)
         inline_units = self._inline if inline else None
-        if inline_units is not None:
-            if inline_units.is_long(fn, args):
-                inline_units = None
-            elif inline_units.loop_starved():
-                await asyncio.sleep(0)  # let the loop run between back-to-back inline units
+        run_inline = inline_units is not None and not inline_units.is_slow(fn, args)
+        if run_inline and inline_units is not None and inline_units.loop_starved():
+            await asyncio.sleep(0)  # let the loop run between back-to-back inline units
         with _unavailable_on_failure():
             deadline = asyncio.get_running_loop().time() + self.timeout_s
             if not self._write_lock.take_if_free():  # free: taken without arming a timer for the wait
@@ -423,7 +426,7 @@ class Database:
                     raise self._deadline_exceeded() from exc
             handed_over = False  # the write lock, to a checkpoint
             try:
-                if inline_units is not None:
+                if run_inline and inline_units is not None:
                     try:
                         result = inline_units.write(fn, args, kwargs)
                     except _RunOnThread:
@@ -431,13 +434,23 @@ class Database:
                     else:
                         handed_over = self._checkpoint_if_due(inline_units)
                         return result
-                return await self._write_on_thread(self._sync_engine, fn, args, kwargs, deadline)
+                took: list[float] = []
+                result = await self._write_on_thread(self._sync_engine, fn, args, kwargs, deadline, took)
+                if inline_units is not None and not run_inline:
+                    inline_units.ran_on_thread(fn, args, took[0])
+                return result
             finally:
                 if not handed_over:
                     self._write_lock.release()
 
     async def _write_on_thread(
-        self, engine: Engine, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float
+        self,
+        engine: Engine,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        deadline: float,
+        took: list[float],
     ) -> T:
         running = _RunningUnit()
 
@@ -447,7 +460,9 @@ class Database:
                 try:
                     with conn.begin():  # the driver's BEGIN is off (pysqlite, isolation_level None): ours
                         conn.exec_driver_sql(_SQLITE_BEGIN_WRITE)
+                        started = time.perf_counter()
                         result = fn(conn, *args, **kwargs)
+                        took.append(time.perf_counter() - started)
                     conn.info[_COMMITTED] = True
                     return result
                 finally:
@@ -463,7 +478,8 @@ class Database:
             async with self.read() as conn:
                 return await conn.run_sync(fn, *args, **kwargs)
         inline_units = self._inline if inline else None
-        if inline_units is not None and not inline_units.is_long(fn, args):
+        run_inline = inline_units is not None and not inline_units.is_slow(fn, args)
+        if run_inline and inline_units is not None:
             if inline_units.loop_starved():
                 await asyncio.sleep(0)  # let the loop run between back-to-back inline units
             with _unavailable_on_failure():
@@ -473,18 +489,25 @@ class Database:
                     pass
         engine = self._sync_engine
         running = _RunningUnit()
+        took: list[float] = []
 
         def unit() -> T:
             with engine.connect() as conn:
                 running.attach(conn)
                 try:
-                    return fn(conn, *args, **kwargs)
+                    started = time.perf_counter()
+                    result = fn(conn, *args, **kwargs)
+                    took.append(time.perf_counter() - started)
+                    return result
                 finally:
                     running.detach()
 
         with _unavailable_on_failure():
             self.unit_counts.on_thread += 1
-            return await self._in_thread(unit, running, asyncio.get_running_loop().time() + self.timeout_s)
+            result = await self._in_thread(unit, running, asyncio.get_running_loop().time() + self.timeout_s)
+        if inline_units is not None and not run_inline:
+            inline_units.ran_on_thread(fn, args, took[0])
+        return result
 
     def _checkpoint_if_due(self, inline: _InlineUnits) -> bool:
         """After an inline commit, with the write lock held: if the inline commits since the last
@@ -838,9 +861,12 @@ class _Budget:
         self.until = math.inf
         self.overran = False
 
-    def start(self, seconds: float) -> None:
-        self.until = time.monotonic() + seconds
+    def start(self, seconds: float) -> float:
+        """Arm for ``seconds`` from now; returns now (``time.monotonic``)."""
+        now = time.monotonic()
+        self.until = now + seconds
         self.overran = False
+        return now
 
     def stop(self) -> bool:
         """Disarm; True if the unit overran (a statement of it was stopped)."""
@@ -889,15 +915,33 @@ class _InlineUnits:
         self._counts = counts
         self._conn: Connection | None = None
         self._running = False
-        self._long: set[tuple[object, object]] = set()
+        self._slow: set[tuple[object, object]] = set()
         self._streak_since: float | None = None
         self._streak_loop: asyncio.AbstractEventLoop | None = None
         self.budget_s = _INLINE_BUDGET_S
+        self.slow_s = _INLINE_SLOW_S
         self.changes_since_checkpoint = 0  # rows changed by inline commits (WAL pages, roughly)
         self.checkpoint_after = _CHECKPOINT_FIRST_AFTER
 
-    def is_long(self, fn: object, args: tuple[Any, ...]) -> bool:
-        return bool(self._long) and _unit_key(fn, args) in self._long
+    def is_slow(self, fn: object, args: tuple[Any, ...]) -> bool:
+        """Whether this kind of unit ran long inline: it starts on a thread."""
+        return bool(self._slow) and _unit_key(fn, args) in self._slow
+
+    def ran_on_thread(self, fn: object, args: tuple[Any, ...], seconds: float) -> None:
+        """A slow unit took ``seconds`` on a thread: inline again if that was short."""
+        if seconds < self.slow_s / 2:
+            self._slow.discard(_unit_key(fn, args))
+
+    def _ran_inline(self, fn: object, args: tuple[Any, ...], started: float) -> None:
+        self._counts.inline += 1
+        if time.monotonic() - started > self.slow_s:
+            self._mark_slow(fn, args)
+
+    def _mark_slow(self, fn: object, args: tuple[Any, ...]) -> None:
+        self._counts.slow += 1
+        if len(self._slow) >= _SLOW_UNITS_KEPT:
+            self._slow.clear()
+        self._slow.add(_unit_key(fn, args))
 
     def loop_starved(self) -> bool:
         """True when inline units have kept the loop for the budget without it getting a turn."""
@@ -917,8 +961,8 @@ class _InlineUnits:
         conn, driver, transaction = self._begin(write=True)
         budget = self._budget
         changes_before = driver.total_changes
+        started = budget.start(self.budget_s)
         try:
-            budget.start(self.budget_s)
             result = fn(conn, *args, **kwargs)
             if budget.stop():  # fn went on past a stopped statement: not committed
                 raise _RunOnThread
@@ -929,11 +973,11 @@ class _InlineUnits:
             if overran:  # whatever the stopped statement raised: rolled back, to run on a thread
                 self._overran(fn, args)
                 raise _RunOnThread from None
-            self._counts.inline += 1
+            self._ran_inline(fn, args, started)
             raise
         finally:
             self._running = False
-        self._counts.inline += 1
+        self._ran_inline(fn, args, started)
         self.changes_since_checkpoint += driver.total_changes - changes_before
         return result
 
@@ -941,8 +985,8 @@ class _InlineUnits:
         """``fn`` in a read transaction (one snapshot for the unit), inline."""
         conn, driver, _transaction = self._begin(write=False)
         budget = self._budget
+        started = budget.start(self.budget_s)
         try:
-            budget.start(self.budget_s)
             result = fn(conn, *args, **kwargs)
             if budget.stop():
                 raise _RunOnThread
@@ -950,12 +994,12 @@ class _InlineUnits:
             if budget.stop():
                 self._overran(fn, args)
                 raise _RunOnThread from None
-            self._counts.inline += 1
+            self._ran_inline(fn, args, started)
             raise
         finally:
             self._running = False
             self._end_transaction(conn, driver)
-        self._counts.inline += 1
+        self._ran_inline(fn, args, started)
         return result
 
     def _begin(self, *, write: bool) -> tuple[Connection, sqlite3.Connection, RootTransaction]:
@@ -1019,9 +1063,7 @@ class _InlineUnits:
 
     def _overran(self, fn: object, args: tuple[Any, ...]) -> None:
         self._counts.overruns += 1
-        if len(self._long) >= _LONG_UNITS_KEPT:
-            self._long.clear()
-        self._long.add(_unit_key(fn, args))
+        self._mark_slow(fn, args)
         _log.info("database_inline_unit_overran", unit=getattr(fn, "__qualname__", repr(fn)), budget_s=self.budget_s)
 
     def checkpointed(self, changes: int, frames: int) -> None:
