@@ -70,6 +70,7 @@ for that one session, which is closed afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import sqlite3
@@ -130,9 +131,11 @@ _THREAD_ID: Final = "roomservice_thread_id"
 _SQLITE_THREADS: Final = 4
 _INTERRUPT_EVERY_S: Final = 0.02
 # An inline unit (on the event loop's thread) whose SQL is still running this long after it began is
-# stopped, rolled back and run again on a thread; back-to-back inline units yield to the loop after
-# this long. It bounds how long inline units hold up the loop (see "Inline units" in run_write).
+# stopped, rolled back and run again on a thread: it bounds how long one inline unit holds up the loop.
 _INLINE_BUDGET_S: Final = 0.02
+# Back-to-back inline units (a caller awaiting one after another never suspends) yield to the loop
+# once they have kept it this long.
+_INLINE_STREAK_S: Final = 0.005
 # SQLite VM steps between two looks at the clock while an inline statement runs (a few hundred
 # microseconds of work; the statements of the hot units never reach it)
 _INLINE_PROGRESS_STEPS: Final = 20_000
@@ -598,6 +601,7 @@ class Database:
             self._checkpointing.cancel()
             await asyncio.gather(self._checkpointing, return_exceptions=True)
         if self._inline is not None:
+            _log.info("database_units", **dataclasses.asdict(self.unit_counts))
             self._inline.close()
         if self._sync_engine is not None and self._threads is not None:
             threads, sync_engine = self._threads, self._sync_engine
@@ -894,10 +898,11 @@ class _InlineUnits:
       Either way the refusal comes before ``fn`` ran.
     * its SQL has a budget (:data:`_INLINE_BUDGET_S`): a statement still running when it is spent
       is stopped, the unit rolled back and run again on a thread, where the deadline bounds it as
-      before; its ``fn`` (and first argument) is remembered as long and starts on a thread from then
-      on. ``run_long_read``/``run_long_write`` start there at once.
+      before. A unit that ran inline longer than :data:`_INLINE_SLOW_S` (or overran) is marked slow
+      by its ``fn`` and statement: that kind starts on a thread, where its SQL runs beside the loop,
+      until a run there takes under half of it. ``run_long_read``/``run_long_write`` start there.
     * back-to-back inline units (a caller awaiting one after another never suspends) yield to the
-      loop once they have kept it for the budget.
+      loop once they have kept it for :data:`_INLINE_STREAK_S`.
     * the connection has auto-checkpoint off: a checkpoint fsyncs, and SQLite runs it inside the
       commit that crosses the threshold. :meth:`Database._checkpoint` does it on a thread instead,
       once the rows changed by inline commits have filled about :data:`_CHECKPOINT_FRAMES` pages
@@ -951,7 +956,7 @@ class _InlineUnits:
             self._streak_since, self._streak_loop = now, loop
             loop.call_soon(self._end_streak)  # runs when the loop gets its turn
             return False
-        return now - self._streak_since > self.budget_s
+        return now - self._streak_since > _INLINE_STREAK_S
 
     def _end_streak(self) -> None:
         self._streak_since = None
