@@ -140,9 +140,10 @@ _INLINE_STREAK_S: Final = 0.005
 # microseconds of work; the statements of the hot units never reach it)
 _INLINE_PROGRESS_STEPS: Final = 20_000
 # A unit that ran longer than this inline starts on a thread from then on (until a run there takes
-# less than half of it): its SQL (with the GIL released) then runs beside the loop's Python, and the
-# ~50 us of the hop are small beside it. The hot units (a command's save, a consumer's row) are shorter.
-_INLINE_SLOW_S: Final = 0.001
+# less than half of it), so that it does not hold up the loop every time (retention batches, admin
+# scans). Not lower: at 1 ms the group commit's batches of a busy server went to a thread, and the
+# HTTP join cost ~30 % more server CPU than with every unit inline (four interleaved pairs).
+_INLINE_SLOW_S: Final = 0.01
 _SLOW_UNITS_KEPT: Final = 256
 # WAL frames (pages) past which the inline writes' WAL is checkpointed: SQLite's own auto-checkpoint
 # threshold, which the inline connection has off (a checkpoint fsyncs: not on the loop's thread).
