@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sqlite3
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from roomservice.store import database
 from roomservice.store.database import Database, _WriteLock, session_limits_sql
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
@@ -50,11 +55,21 @@ async def test_sqlite_write_takes_the_write_lock_at_begin(tmp_path: Path) -> Non
         await db.dispose()
 
 
+def _sqlite_db(path: Path) -> Database:
+    """A database on SQLite file ``path`` whose inline units never count as slow (a cold first run can
+    take a millisecond: the counts the tests assert would depend on the machine)."""
+    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    assert db._inline is not None
+    db._inline.slow_s = math.inf
+    return db
+
+
 async def test_sqlite_units_take_the_write_lock_at_begin_and_reads_take_none(tmp_path: Path) -> None:
     # run_write / run_read issue their own BEGIN (their engine has no "begin" hook): the same
-    # transactions as the write() / read() blocks
+    # transactions as the write() / read() blocks, inline or on a thread (the "long" units); an
+    # inline read holds one read snapshot for the unit, a threaded one reads in autocommit
     path = tmp_path / "room.db"
-    db = Database.from_url(f"sqlite+aiosqlite:///{path}")
+    db = _sqlite_db(path)
     other = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)  # "another process"
     seen: list[str] = []
 
@@ -71,11 +86,14 @@ async def test_sqlite_units_take_the_write_lock_at_begin_and_reads_take_none(tmp
         other.execute("ROLLBACK")
 
     try:
-        await db.run_write(write_unit)
-        other.execute("BEGIN IMMEDIATE")  # released at commit
-        other.execute("ROLLBACK")
+        for run_write in (db.run_write, db.run_long_write):
+            await run_write(write_unit)
+            other.execute("BEGIN IMMEDIATE")  # released at commit
+            other.execute("ROLLBACK")
         await db.run_read(read_unit)
-        assert seen == ["in transaction", "autocommit"]
+        await db.run_long_read(read_unit)
+        assert seen == ["in transaction", "in transaction", "in transaction", "autocommit"]
+        assert (db.unit_counts.inline, db.unit_counts.on_thread) == (2, 2)
     finally:
         other.close()
         await db.dispose()
@@ -189,7 +207,7 @@ async def test_cancelled_sqlite_unit_finishes_its_transaction_before_the_lock_is
     try:
         async with db.write() as conn:
             await conn.exec_driver_sql("CREATE TABLE t (n INTEGER)")
-        task = asyncio.create_task(db.run_write(slow_insert))
+        task = asyncio.create_task(db.run_long_write(slow_insert))  # on a thread (inline: never half-way)
         await asyncio.sleep(0.05)
         task.cancel()
         started = time.monotonic()
@@ -269,7 +287,10 @@ async def test_sqlite_busy_timeout_is_the_deadline(tmp_path: Path) -> None:
     try:
         async with db.read() as conn:
             assert (await conn.exec_driver_sql("PRAGMA busy_timeout")).scalar() == 250
-        assert await db.run_read(lambda conn: conn.exec_driver_sql("PRAGMA busy_timeout").scalar()) == 250
+        busy_timeout = "PRAGMA busy_timeout"
+        assert await db.run_long_read(lambda conn: conn.exec_driver_sql(busy_timeout).scalar()) == 250
+        # inline units never wait: refused at once, they run on a thread (with the timeout above)
+        assert await db.run_read(lambda conn: conn.exec_driver_sql(busy_timeout).scalar()) == 0
     finally:
         await db.dispose()
 
@@ -387,3 +408,299 @@ async def test_the_write_lock_is_taken_at_once_only_when_free_and_nobody_waits()
     lock.release()
     assert lock.take_if_free()  # the cancelled waiter is not counted any more
     lock.release()
+
+
+# --------------------------------------------------------------------------- SQLite units inline
+
+
+def _create_table(path: Path, ddl: str = "CREATE TABLE t (n INTEGER)") -> None:
+    with sqlite3.connect(path, isolation_level=None) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(ddl)
+    conn.close()
+
+
+def _insert(conn: sa.Connection, n: int) -> int:
+    conn.exec_driver_sql("INSERT INTO t VALUES (?)", (n,))
+    return n
+
+
+def _numbers(conn: sa.Connection) -> list[int]:
+    return list(conn.exec_driver_sql("SELECT n FROM t ORDER BY rowid").scalars())
+
+
+async def test_sqlite_units_run_inline_on_the_loops_thread(tmp_path: Path) -> None:
+    _create_table(tmp_path / "room.db")
+    db = _sqlite_db(tmp_path / "room.db")
+    threads: list[int] = []
+
+    def insert_here(conn: sa.Connection, n: int) -> int:
+        threads.append(threading.get_ident())
+        return _insert(conn, n)
+
+    try:
+        assert [await db.run_write(insert_here, n) for n in range(3)] == [0, 1, 2]
+        assert await db.run_read(_numbers) == [0, 1, 2]
+        assert (db.unit_counts.inline, db.unit_counts.on_thread, db.unit_counts.fallbacks) == (4, 0, 0)
+        assert set(threads) == {threading.get_ident()}
+        await db.run_long_write(insert_here, 3)  # a long unit: on a thread, where the deadline can interrupt it
+        assert threads[-1] != threading.get_ident()
+        assert await db.run_long_read(_numbers) == [0, 1, 2, 3]
+        assert (db.unit_counts.inline, db.unit_counts.on_thread) == (4, 2)
+    finally:
+        await db.dispose()
+
+
+_HOLD_THE_WRITE_LOCK = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=5)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+conn.execute("INSERT INTO t VALUES (100)")
+conn.execute("COMMIT")
+print("committed", flush=True)
+"""
+
+
+async def test_an_inline_write_refused_by_another_process_runs_on_a_thread_and_the_loop_runs_meanwhile(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "room.db"
+    _create_table(path)
+    db = _sqlite_db(path)
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _HOLD_THE_WRITE_LOCK, str(path), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert await db.run_write(_insert, 0) == 0  # inline, before the other process locks
+        assert await holder.stdout.readline() == b"locked\n"
+        write = asyncio.create_task(db.run_write(_insert, 1))
+        await asyncio.sleep(0)  # the unit starts: its inline BEGIN IMMEDIATE is refused at once
+        assert db.unit_counts.fallbacks == 1 and not write.done()
+        # the loop is free while the unit waits on its thread (busy timeout): it talks to the holder
+        holder.stdin.write(b"go\n")
+        assert await holder.stdout.readline() == b"committed\n"
+        assert await write == 1
+        assert await db.run_read(_numbers) == [0, 100, 1]  # it waited for the other process's commit
+        counts = db.unit_counts
+        assert (counts.inline, counts.on_thread, counts.fallbacks) == (2, 1, 1)
+        assert await db.run_write(_insert, 2) == 2  # and the next unit is inline again
+        assert counts.inline == 3
+    finally:
+        if holder.returncode is None:
+            holder.kill()
+        await holder.wait()
+        await db.dispose()
+
+
+async def test_an_inline_read_refused_runs_on_a_thread_and_the_loop_runs_meanwhile(tmp_path: Path) -> None:
+    # a connection in EXCLUSIVE locking mode shuts WAL readers out (SQLITE_BUSY): the inline read
+    # is refused before its unit runs, the threaded one waits for the lock in its busy timeout
+    path = tmp_path / "room.db"
+    _create_table(path)
+    other = sqlite3.connect(path, isolation_level=None, timeout=0, check_same_thread=False)
+    other.execute("SELECT 1 FROM t")  # in WAL with shared memory first: EXCLUSIVE can be left again
+    other.execute("PRAGMA locking_mode=EXCLUSIVE")
+    other.execute("INSERT INTO t VALUES (7)")  # takes the exclusive lock, keeps it
+    db = _sqlite_db(path)
+    calls: list[int] = []
+
+    def numbers(conn: sa.Connection) -> list[int]:
+        calls.append(1)
+        return _numbers(conn)
+
+    try:
+        read = asyncio.create_task(db.run_read(numbers))
+        await asyncio.sleep(0)  # refused inline at once
+        assert db.unit_counts.fallbacks == 1 and not read.done()
+        ticks = 0
+        while not read.done() and ticks < 3:  # the loop runs while the read waits on its thread
+            ticks += 1
+            await asyncio.sleep(0)
+        assert ticks == 3 and not read.done()
+        other.execute("PRAGMA locking_mode=NORMAL")
+        other.execute("SELECT 1 FROM t")  # lets the lock go
+        assert await read == [7]
+        assert calls == [1]  # the unit ran once, on the thread
+        assert (db.unit_counts.inline, db.unit_counts.on_thread) == (0, 1)
+        assert await db.run_read(numbers) == [7]  # inline now
+        assert db.unit_counts.inline == 1
+    finally:
+        other.close()
+        await db.dispose()
+
+
+async def test_an_inline_read_whose_snapshot_is_refused_runs_once_on_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _create_table(tmp_path / "room.db")
+    db = _sqlite_db(tmp_path / "room.db")
+    calls: list[int] = []
+
+    def numbers(conn: sa.Connection) -> list[int]:
+        calls.append(1)
+        return _numbers(conn)
+
+    try:
+        await db.run_write(_insert, 1)  # the inline connection is open
+        monkeypatch.setattr(database, "_SQLITE_READ_PROBE", "SELECT * FROM no_such_table")  # refused
+        assert await db.run_read(numbers) == [1]
+        assert calls == [1]
+        assert (db.unit_counts.fallbacks, db.unit_counts.on_thread) == (1, 1)
+        monkeypatch.undo()
+        assert await db.run_read(numbers) == [1]  # the connection was left clean: inline again
+        assert db.unit_counts.inline == 2
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.parametrize("unit", ["run_write", "run_long_write"])
+async def test_a_failing_unit_rolls_back_and_raises_the_same_inline_and_on_a_thread(tmp_path: Path, unit: str) -> None:
+    path = tmp_path / "room.db"
+    _create_table(path, "CREATE TABLE t (n INTEGER PRIMARY KEY)")
+    db = _sqlite_db(path)
+    run_write = getattr(db, unit)
+
+    def insert_then(conn: sa.Connection, n: int, then: str) -> None:
+        _insert(conn, n)
+        if then == "raise":
+            raise LookupError("boom")
+        conn.exec_driver_sql(then)
+
+    try:
+        await db.run_write(_insert, 1)
+        with pytest.raises(LookupError, match="boom"):
+            await run_write(insert_then, 2, "raise")
+        with pytest.raises(sa.exc.IntegrityError, match="UNIQUE"):  # an error of the data: passes as is
+            await run_write(insert_then, 3, "INSERT INTO t VALUES (1)")
+        with pytest.raises(StoreUnavailable, match="OperationalError"):  # mapped the same on both paths
+            await run_write(insert_then, 4, "SELECT * FROM no_such_table")
+        assert await db.run_read(_numbers) == [1]  # each rolled back
+        assert await db.run_write(_insert, 5) == 5  # and the connections are usable
+        assert await db.run_read(_numbers) == [1, 5]
+        inline = 4 + 3 * (unit == "run_write")  # a failed unit counts where it ran
+        assert (db.unit_counts.inline, db.unit_counts.fallbacks) == (inline, 0)
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.parametrize("unit", ["run_write", "run_long_write"])
+async def test_a_failing_commit_rolls_back_and_raises_the_same_inline_and_on_a_thread(
+    tmp_path: Path, unit: str
+) -> None:
+    # a deferred foreign key is checked at COMMIT: the commit itself fails
+    path = tmp_path / "room.db"
+    _create_table(path, "CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+    with sqlite3.connect(path, isolation_level=None) as conn:
+        conn.execute("CREATE TABLE t (n INTEGER REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)")
+    conn.close()
+    db = _sqlite_db(path)
+    try:
+        with pytest.raises(sa.exc.IntegrityError, match="FOREIGN KEY"):
+            await getattr(db, unit)(_insert, 1)
+        assert await db.run_read(_numbers) == []
+        await db.run_write(lambda conn: conn.exec_driver_sql("INSERT INTO parent VALUES (2)"))
+        assert await db.run_write(_insert, 2) == 2  # the inline connection is not left in a transaction
+        assert await db.run_read(_numbers) == [2]
+    finally:
+        await db.dispose()
+
+
+async def test_inline_sql_past_its_budget_is_rolled_back_and_runs_again_on_a_thread(tmp_path: Path) -> None:
+    _create_table(tmp_path / "room.db")
+    db = _sqlite_db(tmp_path / "room.db")
+    assert db._inline is not None
+    db._inline.budget_s = 0.001
+    counting = (
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) SELECT count(*) FROM c"
+    )
+
+    def insert_and_count(conn: sa.Connection, n: int) -> int:
+        _insert(conn, n)
+        return int(conn.exec_driver_sql(counting).scalar_one())
+
+    try:
+        assert await db.run_write(insert_and_count, 1) == 3_000_000  # stopped inline, run on a thread
+        assert await db.run_read(_numbers) == [1]  # once: the inline attempt was rolled back
+        counts = db.unit_counts
+        assert (counts.overruns, counts.on_thread) == (1, 1)
+        assert await db.run_write(insert_and_count, 2) == 3_000_000  # remembered as long: on a thread at once
+        assert (counts.overruns, counts.on_thread) == (1, 2)
+        assert await db.run_write(_insert, 3) == 3  # others stay inline
+        assert await db.run_read(_numbers) == [1, 2, 3]
+        assert counts.inline == 3
+    finally:
+        await db.dispose()
+
+
+async def test_a_unit_slow_inline_starts_on_a_thread_until_it_is_quick_there(tmp_path: Path) -> None:
+    _create_table(tmp_path / "room.db")
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    assert db._inline is not None
+    counting = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < ?) SELECT count(*) FROM c"
+
+    def count(conn: sa.Connection, n: int) -> int:
+        return int(conn.exec_driver_sql(counting, (n,)).scalar_one())
+
+    try:
+        assert await db.run_read(count, 1) == 1  # warm (a cold first unit can be slow)
+        db._inline.slow_s, db._inline.budget_s = 0.005, 60  # (not stopped: only found slow)
+        assert await db.run_read(count, 300_000) == 300_000  # tens of milliseconds
+        counts = db.unit_counts
+        assert (counts.inline, counts.on_thread, counts.slow, counts.overruns) == (2, 0, 1, 0)
+        assert await db.run_read(count, 3) == 3  # that kind of unit starts on a thread now ...
+        assert (counts.inline, counts.on_thread) == (2, 1)
+        assert await db.run_read(count, 3) == 3  # ... and, quick there, inline again
+        assert (counts.inline, counts.on_thread) == (3, 1)
+        assert await db.run_read(_numbers) == []  # other kinds were inline all along
+        assert counts.inline == 4
+    finally:
+        await db.dispose()
+
+
+async def test_back_to_back_inline_units_let_the_loop_run(tmp_path: Path) -> None:
+    _create_table(tmp_path / "room.db")
+    db = _sqlite_db(tmp_path / "room.db")
+    ran = asyncio.Event()
+
+    async def other_coroutine() -> None:
+        ran.set()
+
+    try:
+        other = asyncio.create_task(other_coroutine())
+        units = 0
+        while not ran.is_set():  # never suspends but in run_read: the loop must get a turn in there
+            await db.run_read(_numbers)
+            units += 1
+            assert units < 100_000
+        await other
+        assert db.unit_counts.inline == units and units > 1
+    finally:
+        await db.dispose()
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size
+
+
+async def test_the_wal_of_inline_writes_is_checkpointed(tmp_path: Path) -> None:
+    path = tmp_path / "room.db"
+    _create_table(path, "CREATE TABLE t (n INTEGER, doc BLOB)")
+    db = _sqlite_db(path)
+    wal = Path(f"{path}-wal")
+
+    def insert(conn: sa.Connection, n: int) -> None:
+        conn.exec_driver_sql("INSERT INTO t VALUES (?, zeroblob(3000))", (n,))
+
+    try:
+        for n in range(4000):  # a page or more a commit: ~4000 frames, 16 MB of WAL unless checkpointed
+            await db.run_write(insert, n)
+        page_size = await db.run_read(lambda conn: conn.exec_driver_sql("PRAGMA page_size").scalar_one())
+        counts = db.unit_counts
+        assert counts.inline == 4000 + 1 and counts.on_thread == 0
+        assert counts.checkpoints >= 2
+        assert _size(wal) <= 2000 * (page_size + 24)  # SQLite's threshold (1000), with room
+    finally:
+        await db.dispose()

@@ -6,9 +6,13 @@ Two ways in, same transaction discipline on both backends:
   :class:`AsyncConnection` (a write transaction, or a connection for reads).
 * ``await db.run_write(fn, ...)`` / ``await db.run_read(fn, ...)`` run a plain
   synchronous ``fn(conn, ...)`` as one unit. On MySQL this is
-  ``AsyncConnection.run_sync``; on SQLite the whole unit runs in a single hop
-  to a worker thread on a pysqlite connection, instead of one aiosqlite thread
-  hop per cursor call (about four per statement) — the hot paths use it.
+  ``AsyncConnection.run_sync``; on SQLite the whole unit runs on a pysqlite
+  connection instead of one aiosqlite thread hop per cursor call (about four per
+  statement) — the hot paths use it. It runs inline, on the event loop's thread,
+  when it cannot wait on a lock (SQLite's busy timeout 0 there: refused, it runs
+  on a worker thread as before, one hop); its SQL has a budget of 20 ms there,
+  past which it is rolled back and run on a thread. ``run_long_read`` /
+  ``run_long_write`` always run on a thread: for units that may run long.
 
 What differs per backend is decided once, here:
 
@@ -37,7 +41,9 @@ the cell is reloaded). Every other bound is a multiple of ``D``:
 client, MySQL                   the call fails by ``D``; its connection is closed at once
                                 (no I/O on it) and invalidated, never pooled again
 client, SQLite                  the running statement is interrupted at ``D``; a statement
-                                inside the busy wait ends with it: by ``2 D`` at worst
+                                inside the busy wait ends with it: by ``2 D`` at worst. An
+                                inline unit waits on nothing; its SQL is stopped after 20 ms
+                                and runs again on a thread, under the rule above
 pool checkout, TCP connect      ``D`` (inside the call's deadline anyway)
 driver read timeout             ``2 D``: a backstop for code that takes a connection
                                 from ``engine`` directly (the maintenance lock)
@@ -64,24 +70,28 @@ for that one session, which is closed afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import sqlite3
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import mysql, sqlite
-from sqlalchemy.engine import URL, Connection, Dialect, make_url
+from sqlalchemy.engine import URL, Connection, Dialect, RootTransaction, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import ConnectionPoolEntry, PoolResetState, QueuePool
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool, PoolResetState, QueuePool
+from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.dml import Insert
 
 from roomservice.futures import Deadlines
@@ -102,6 +112,9 @@ _BEGIN_OPTION: Final = "roomservice_sqlite_begin"
 _BEGIN_WRITE: Final = {_BEGIN_OPTION: "BEGIN IMMEDIATE"}
 _BEGIN_NOTHING: Final = {_BEGIN_OPTION: None}
 _SQLITE_BEGIN_WRITE: Final = _BEGIN_WRITE[_BEGIN_OPTION]
+# Read by an inline read unit right after its BEGIN: it takes the read snapshot (the only step of a
+# WAL read that can be refused) before the unit's own statements run.
+_SQLITE_READ_PROBE: Final = "PRAGMA schema_version"
 
 _SQLITE_PRAGMAS: Final = (
     "PRAGMA journal_mode=WAL",
@@ -117,10 +130,50 @@ _THREAD_ID: Final = "roomservice_thread_id"
 # writer at a time anyway, a few concurrent readers.
 _SQLITE_THREADS: Final = 4
 _INTERRUPT_EVERY_S: Final = 0.02
+# An inline unit (on the event loop's thread) whose SQL is still running this long after it began is
+# stopped, rolled back and run again on a thread: it bounds how long one inline unit holds up the loop.
+_INLINE_BUDGET_S: Final = 0.02
+# Back-to-back inline units (a caller awaiting one after another never suspends) yield to the loop
+# once they have kept it this long.
+_INLINE_STREAK_S: Final = 0.005
+# SQLite VM steps between two looks at the clock while an inline statement runs (a few hundred
+# microseconds of work; the statements of the hot units never reach it)
+_INLINE_PROGRESS_STEPS: Final = 20_000
+# A unit that ran longer than this inline starts on a thread from then on (until a run there takes
+# less than half of it), so that it does not hold up the loop every time (retention batches, admin
+# scans). Not lower: at 1 ms the group commit's batches of a busy server went to a thread, and the
+# HTTP join cost ~30 % more server CPU than with every unit inline (four interleaved pairs).
+_INLINE_SLOW_S: Final = 0.01
+_SLOW_UNITS_KEPT: Final = 256
+# WAL frames (pages) past which the inline writes' WAL is checkpointed: SQLite's own auto-checkpoint
+# threshold, which the inline connection has off (a checkpoint fsyncs: not on the loop's thread).
+_CHECKPOINT_FRAMES: Final = 1000
+# Rows changed by inline commits before the first checkpoint, until the WAL's frames per changed row
+# are measured (one commit of a 200-row outbox batch fills tens of pages, a command's a few).
+_CHECKPOINT_FIRST_AFTER: Final = 500
+_CHECKPOINT_MAX_AFTER: Final = 1_000_000
 # Prepared statements a MySQL/MariaDB connection keeps (asyncmy's LRU): the hot statements of the
 # store, the outbox and the brokers, with room to spare; the server's max_prepared_stmt_count
 # (16,382) covers a pool of 40 at this size many times over.
 _MYSQL_STATEMENT_CACHE: Final = 64
+
+
+@dataclass(slots=True)
+class UnitCounts:
+    """Where the SQLite ``run_read``/``run_write`` units of a :class:`Database` ran."""
+
+    inline: int = 0
+    """On the event loop's thread, without a hop."""
+    on_thread: int = 0
+    """On a worker thread: long units, and the fallbacks below."""
+    fallbacks: int = 0
+    """Inline start refused (another process holds SQLite's write lock, say): run on a thread instead."""
+    overruns: int = 0
+    """Inline SQL past its budget: rolled back and run again on a thread."""
+    slow: int = 0
+    """Kinds of unit found slow inline (overruns included): they start on a thread for a while."""
+    checkpoints: int = 0
+    """WAL checkpoints run for the inline writes."""
 
 
 class Database:
@@ -145,6 +198,9 @@ class Database:
         self._sync_engine: Engine | None = None
         self._threads: ThreadPoolExecutor | None = None
         self._reaper: _SessionReaper | None = None
+        self._inline: _InlineUnits | None = None
+        self._checkpointing: asyncio.Task[None] | None = None
+        self.unit_counts = UnitCounts()
         if self.dialect_name == "sqlite":
             _take_over_sqlite_transactions(engine.sync_engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
             self._write_engine = engine.execution_options(**_BEGIN_WRITE)
@@ -154,6 +210,7 @@ class Database:
             if not _is_sqlite_memory(engine.url):
                 self._sync_engine = _sqlite_sync_engine(engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
                 self._threads = ThreadPoolExecutor(_SQLITE_THREADS, thread_name_prefix="roomservice-sqlite")
+                self._inline = _InlineUnits(engine, self._sync_engine, self.unit_counts)
         else:
             self._write_engine = self._read_engine = engine
             _limit_mysql_sessions(engine.sync_engine, timeout_s)
@@ -330,25 +387,39 @@ class Database:
     # ------------------------------------------------------------------ units
 
     async def run_write(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """``fn(conn, *args, **kwargs)`` in one write transaction (committed unless it raises)."""
+        """``fn(conn, *args, **kwargs)`` in one write transaction (committed unless it raises).
+
+        On SQLite it runs inline, on the event loop's thread, when that cannot stall the loop, and
+        on a worker thread otherwise (see :class:`_InlineUnits`); the outcome is the same."""
+        return await self._run_write(fn, args, kwargs, inline=True)
+
+    async def run_long_write(
+        self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """:meth:`run_write` for a unit that may run long (a retention delete, an admin repair): on
+        SQLite always on a worker thread, where the loop runs meanwhile and the deadline interrupts it."""
+        return await self._run_write(fn, args, kwargs, inline=False)
+
+    async def run_read(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(conn, *args, **kwargs)`` on a read connection (inline or on a thread, as :meth:`run_write`)."""
+        return await self._run_read(fn, args, kwargs, inline=True)
+
+    async def run_long_read(
+        self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """:meth:`run_read` for a unit that may run long (a scan, a count over a big table): on a thread."""
+        return await self._run_read(fn, args, kwargs, inline=False)
+
+    async def _run_write(
+        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *, inline: bool
+    ) -> T:
         if self._sync_engine is None:
             async with self.write() as conn:
                 return await conn.run_sync(fn, *args, **kwargs)
-        engine = self._sync_engine
-        running = _RunningUnit()
-
-        def unit() -> T:
-            with engine.connect() as conn:
-                running.attach(conn)
-                try:
-                    with conn.begin():  # the driver's BEGIN is off (pysqlite, isolation_level None): ours
-                        conn.exec_driver_sql(_SQLITE_BEGIN_WRITE)
-                        result = fn(conn, *args, **kwargs)
-                    conn.info[_COMMITTED] = True
-                    return result
-                finally:
-                    running.detach()
-
+        inline_units = self._inline if inline else None
+        run_inline = inline_units is not None and not inline_units.is_slow(fn, args)
+        if run_inline and inline_units is not None and inline_units.loop_starved():
+            await asyncio.sleep(0)  # let the loop run between back-to-back inline units
         with _unavailable_on_failure():
             deadline = asyncio.get_running_loop().time() + self.timeout_s
             if not self._write_lock.take_if_free():  # free: taken without arming a timer for the wait
@@ -357,29 +428,124 @@ class Database:
                         await self._write_lock.acquire()
                 except TimeoutError as exc:
                     raise self._deadline_exceeded() from exc
+            handed_over = False  # the write lock, to a checkpoint
             try:
-                return await self._in_thread(unit, running, deadline)
+                if run_inline and inline_units is not None:
+                    try:
+                        result = inline_units.write(fn, args, kwargs)
+                    except _RunOnThread:
+                        pass
+                    else:
+                        handed_over = self._checkpoint_if_due(inline_units)
+                        return result
+                took: list[float] = []
+                result = await self._write_on_thread(self._sync_engine, fn, args, kwargs, deadline, took)
+                if inline_units is not None and not run_inline:
+                    inline_units.ran_on_thread(fn, args, took[0])
+                return result
             finally:
-                self._write_lock.release()
+                if not handed_over:
+                    self._write_lock.release()
 
-    async def run_read(self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        """``fn(conn, *args, **kwargs)`` on a read connection."""
-        if self._sync_engine is None:
-            async with self.read() as conn:
-                return await conn.run_sync(fn, *args, **kwargs)
-        engine = self._sync_engine
+    async def _write_on_thread(
+        self,
+        engine: Engine,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        deadline: float,
+        took: list[float],
+    ) -> T:
         running = _RunningUnit()
 
         def unit() -> T:
             with engine.connect() as conn:
                 running.attach(conn)
                 try:
-                    return fn(conn, *args, **kwargs)
+                    with conn.begin():  # the driver's BEGIN is off (pysqlite, isolation_level None): ours
+                        conn.exec_driver_sql(_SQLITE_BEGIN_WRITE)
+                        started = time.perf_counter()
+                        result = fn(conn, *args, **kwargs)
+                        took.append(time.perf_counter() - started)
+                    conn.info[_COMMITTED] = True
+                    return result
+                finally:
+                    running.detach()
+
+        self.unit_counts.on_thread += 1
+        return await self._in_thread(unit, running, deadline)
+
+    async def _run_read(
+        self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *, inline: bool
+    ) -> T:
+        if self._sync_engine is None:
+            async with self.read() as conn:
+                return await conn.run_sync(fn, *args, **kwargs)
+        inline_units = self._inline if inline else None
+        run_inline = inline_units is not None and not inline_units.is_slow(fn, args)
+        if run_inline and inline_units is not None:
+            if inline_units.loop_starved():
+                await asyncio.sleep(0)  # let the loop run between back-to-back inline units
+            with _unavailable_on_failure():
+                try:
+                    return inline_units.read(fn, args, kwargs)
+                except _RunOnThread:
+                    pass
+        engine = self._sync_engine
+        running = _RunningUnit()
+        took: list[float] = []
+
+        def unit() -> T:
+            with engine.connect() as conn:
+                running.attach(conn)
+                try:
+                    started = time.perf_counter()
+                    result = fn(conn, *args, **kwargs)
+                    took.append(time.perf_counter() - started)
+                    return result
                 finally:
                     running.detach()
 
         with _unavailable_on_failure():
-            return await self._in_thread(unit, running, asyncio.get_running_loop().time() + self.timeout_s)
+            self.unit_counts.on_thread += 1
+            result = await self._in_thread(unit, running, asyncio.get_running_loop().time() + self.timeout_s)
+        if inline_units is not None and not run_inline:
+            inline_units.ran_on_thread(fn, args, took[0])
+        return result
+
+    def _checkpoint_if_due(self, inline: _InlineUnits) -> bool:
+        """After an inline commit, with the write lock held: if the inline commits since the last
+        checkpoint have filled about :data:`_CHECKPOINT_FRAMES` pages of WAL (estimated from the
+        rows they changed), start one and hand it the write lock (True), as SQLite's auto-checkpoint
+        runs inside the commit that crosses the threshold. With no write of this process in between,
+        a PASSIVE checkpoint copies every frame, so the next write starts the WAL over instead of
+        growing it. The writer that crossed the threshold is answered at once; the writers after it
+        wait for the lock."""
+        if inline.changes_since_checkpoint < inline.checkpoint_after or self._checkpointing is not None:
+            return False
+        changes, inline.changes_since_checkpoint = inline.changes_since_checkpoint, 0
+        task = asyncio.get_running_loop().create_task(self._checkpoint(inline, changes), name="database-checkpoint")
+        task.add_done_callback(self._checkpoint_done)  # releases the lock, even if cancelled before it ran
+        self._checkpointing = task
+        return True
+
+    async def _checkpoint(self, inline: _InlineUnits, changes: int) -> None:
+        frames = await asyncio.get_running_loop().run_in_executor(self._threads, self._checkpoint_on_thread)
+        self.unit_counts.checkpoints += 1
+        inline.checkpointed(changes, frames)
+
+    def _checkpoint_done(self, task: asyncio.Task[None]) -> None:
+        self._checkpointing = None
+        self._write_lock.release()
+        if not task.cancelled() and task.exception() is not None:  # the next commits try again
+            _log.warning("database_checkpoint_failed", error=repr(task.exception()))
+
+    def _checkpoint_on_thread(self) -> int:
+        """The frames the WAL held (-1: not in WAL mode)."""
+        assert self._sync_engine is not None
+        with self._sync_engine.connect() as conn:
+            _busy, frames, _copied = conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)").one()
+        return int(frames)
 
     async def _in_thread(self, unit: Callable[[], T], running: _RunningUnit, deadline: float) -> T:
         loop = asyncio.get_running_loop()
@@ -432,6 +598,12 @@ class Database:
                 await self.engine.dispose()
         except TimeoutError:
             _log.warning("database_dispose_timed_out", timeout_s=self.timeout_s)
+        if self._checkpointing is not None:
+            self._checkpointing.cancel()
+            await asyncio.gather(self._checkpointing, return_exceptions=True)
+        if self._inline is not None:
+            _log.info("database_units", **dataclasses.asdict(self.unit_counts))
+            self._inline.close()
         if self._sync_engine is not None and self._threads is not None:
             threads, sync_engine = self._threads, self._sync_engine
             await asyncio.to_thread(threads.shutdown, wait=True)
@@ -678,6 +850,257 @@ class _RunningUnit:
                 self._connection.interrupt()
 
 
+class _RunOnThread(Exception):
+    """An inline unit that did not start, or was stopped past its budget and rolled back: nothing of
+    it is left in the database; it runs on a thread instead."""
+
+
+class _Budget:
+    """The progress handler of the inline connection: it stops a statement still running when the
+    unit's budget is spent (SQLite then raises "interrupted"), so an inline unit holds up the event
+    loop for about the budget at most, however much its SQL has to do."""
+
+    __slots__ = ("overran", "until")
+
+    def __init__(self) -> None:
+        self.until = math.inf
+        self.overran = False
+
+    def start(self, seconds: float) -> float:
+        """Arm for ``seconds`` from now; returns now (``time.monotonic``)."""
+        now = time.monotonic()
+        self.until = now + seconds
+        self.overran = False
+        return now
+
+    def stop(self) -> bool:
+        """Disarm; True if the unit overran (a statement of it was stopped)."""
+        self.until = math.inf
+        return self.overran
+
+    def __call__(self) -> int:
+        if time.monotonic() > self.until:
+            self.overran = True
+            return 1
+        return 0
+
+
+class _InlineUnits:
+    """SQLite units run on the event loop's thread, without the hop to a worker thread and back
+    (~50 us of CPU a unit: executor queue, futex wake, ``call_soon_threadsafe``, self-pipe; issue 12).
+
+    A unit runs inline only when it cannot wait for anything, so that the loop never waits with it:
+
+    * a write holds this process's write lock already, and its ``BEGIN IMMEDIATE`` runs on a
+      connection with ``busy_timeout`` 0: SQLite's write lock is taken at once or refused
+      (SQLITE_BUSY: another process writes), and then the unit runs on a thread as before, with the
+      busy timeout and the deadline. A read opens a read transaction first (``BEGIN`` and a read of
+      the schema cookie), which WAL never makes wait; refused (WAL recovery, say), on a thread too.
+      Either way the refusal comes before ``fn`` ran.
+    * its SQL has a budget (:data:`_INLINE_BUDGET_S`): a statement still running when it is spent
+      is stopped, the unit rolled back and run again on a thread, where the deadline bounds it as
+      before. A unit that ran inline longer than :data:`_INLINE_SLOW_S` (or overran) is marked slow
+      by its ``fn`` and statement: that kind starts on a thread, where its SQL runs beside the loop,
+      until a run there takes under half of it. ``run_long_read``/``run_long_write`` start there.
+    * back-to-back inline units (a caller awaiting one after another never suspends) yield to the
+      loop once they have kept it for :data:`_INLINE_STREAK_S`.
+    * the connection has auto-checkpoint off: a checkpoint fsyncs, and SQLite runs it inside the
+      commit that crosses the threshold. :meth:`Database._checkpoint` does it on a thread instead,
+      once the rows changed by inline commits have filled about :data:`_CHECKPOINT_FRAMES` pages
+      (frames per changed row measured at each checkpoint).
+
+    One connection, kept open: inline units never overlap (each runs to its end synchronously).
+    An inline unit is not interrupted at the deadline (it waits on nothing; the budget bounds its
+    SQL) and cannot be cancelled half-way; errors are the thread path's, mapped the same way.
+    """
+
+    def __init__(self, engine: AsyncEngine, units_engine: Engine, counts: UnitCounts) -> None:
+        self._budget = _Budget()
+        self._engine = _sqlite_inline_engine(engine, self._budget)
+        self._units_engine = units_engine
+        self._counts = counts
+        self._conn: Connection | None = None
+        self._running = False
+        self._slow: set[tuple[object, object]] = set()
+        self._streak_since: float | None = None
+        self._streak_loop: asyncio.AbstractEventLoop | None = None
+        self.budget_s = _INLINE_BUDGET_S
+        self.slow_s = _INLINE_SLOW_S
+        self.changes_since_checkpoint = 0  # rows changed by inline commits (WAL pages, roughly)
+        self.checkpoint_after = _CHECKPOINT_FIRST_AFTER
+
+    def is_slow(self, fn: object, args: tuple[Any, ...]) -> bool:
+        """Whether this kind of unit ran long inline: it starts on a thread."""
+        return bool(self._slow) and _unit_key(fn, args) in self._slow
+
+    def ran_on_thread(self, fn: object, args: tuple[Any, ...], seconds: float) -> None:
+        """A slow unit took ``seconds`` on a thread: inline again if that was short."""
+        if seconds < self.slow_s / 2:
+            self._slow.discard(_unit_key(fn, args))
+
+    def _ran_inline(self, fn: object, args: tuple[Any, ...], started: float) -> None:
+        self._counts.inline += 1
+        if time.monotonic() - started > self.slow_s:
+            self._mark_slow(fn, args)
+
+    def _mark_slow(self, fn: object, args: tuple[Any, ...]) -> None:
+        self._counts.slow += 1
+        if len(self._slow) >= _SLOW_UNITS_KEPT:
+            self._slow.clear()
+        self._slow.add(_unit_key(fn, args))
+
+    def loop_starved(self) -> bool:
+        """True when inline units have kept the loop for the budget without it getting a turn."""
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        if self._streak_since is None or self._streak_loop is not loop:
+            self._streak_since, self._streak_loop = now, loop
+            loop.call_soon(self._end_streak)  # runs when the loop gets its turn
+            return False
+        return now - self._streak_since > _INLINE_STREAK_S
+
+    def _end_streak(self) -> None:
+        self._streak_since = None
+
+    def write(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        """``fn`` in a write transaction, inline; the caller holds the write lock."""
+        conn, driver, transaction = self._begin(write=True)
+        budget = self._budget
+        changes_before = driver.total_changes
+        started = budget.start(self.budget_s)
+        try:
+            result = fn(conn, *args, **kwargs)
+            if budget.stop():  # fn went on past a stopped statement: not committed
+                raise _RunOnThread
+            transaction.commit()
+        except BaseException:
+            overran = budget.stop()
+            self._end_transaction(conn, driver)
+            if overran:  # whatever the stopped statement raised: rolled back, to run on a thread
+                self._overran(fn, args)
+                raise _RunOnThread from None
+            self._ran_inline(fn, args, started)
+            raise
+        finally:
+            self._running = False
+        self._ran_inline(fn, args, started)
+        self.changes_since_checkpoint += driver.total_changes - changes_before
+        return result
+
+    def read(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        """``fn`` in a read transaction (one snapshot for the unit), inline."""
+        conn, driver, _transaction = self._begin(write=False)
+        budget = self._budget
+        started = budget.start(self.budget_s)
+        try:
+            result = fn(conn, *args, **kwargs)
+            if budget.stop():
+                raise _RunOnThread
+        except BaseException:
+            if budget.stop():
+                self._overran(fn, args)
+                raise _RunOnThread from None
+            self._ran_inline(fn, args, started)
+            raise
+        finally:
+            self._running = False
+            self._end_transaction(conn, driver)
+        self._ran_inline(fn, args, started)
+        return result
+
+    def _begin(self, *, write: bool) -> tuple[Connection, sqlite3.Connection, RootTransaction]:
+        """The connection in a transaction (SQLAlchemy's, then the driver's own BEGIN, as on a thread),
+        or :class:`_RunOnThread` if SQLite refused it (never waiting: ``busy_timeout`` 0)."""
+        if self._running:  # (a second event loop on another thread: never in one loop)
+            self._counts.fallbacks += 1
+            raise _RunOnThread
+        conn: Connection | None = None
+        driver: sqlite3.Connection | None = None
+        try:
+            conn = self._conn
+            if conn is None or conn.invalidated:
+                conn = self._connect()
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            transaction = conn.begin()  # bookkeeping only: the driver's BEGIN is off, ours follows
+            if not write:
+                driver.execute("BEGIN")
+                driver.execute(_SQLITE_READ_PROBE)
+            elif self._units_engine._has_events:  # listeners see the statements of a thread's unit
+                conn.exec_driver_sql(_SQLITE_BEGIN_WRITE)
+            else:
+                driver.execute(_SQLITE_BEGIN_WRITE)
+        except (sqlite3.Error, DBAPIError) as exc:
+            # refused, or the connection is broken: the thread path runs it (and raises what it raises)
+            self._counts.fallbacks += 1
+            if driver is not None:
+                self._end_transaction(conn, driver)
+            _log.debug("database_inline_refused", error=repr(exc))
+            raise _RunOnThread from None
+        self._running = True
+        return conn, driver, transaction
+
+    def _connect(self) -> Connection:
+        """A connection of the inline engine's, seen as one of the threaded units' engine: the same
+        dialect and the same connection events (a listener on that engine sees every unit), but
+        never revalidated from that engine's pool: replaced here when invalidated instead."""
+        self._discard()
+        raw = self._engine.raw_connection()
+        dialect = self._units_engine.dialect
+        conn = self._conn = Connection(self._units_engine, connection=raw, _allow_revalidate=False)
+        if getattr(dialect, "default_schema_name", None) is None:  # its engine has not connected yet
+            dialect.initialize(conn)
+        return conn
+
+    def _end_transaction(self, conn: Connection | None, driver: sqlite3.Connection) -> None:
+        """Roll back what is left open: SQLAlchemy's transaction, then the driver's."""
+        try:
+            if conn is None or conn.invalidated:  # (its driver connection is closed)
+                self._discard()
+                return
+            left = conn.get_transaction()  # (still there, inactive, after a failed commit)
+            if left is not None:
+                left.rollback()
+            if driver.in_transaction:  # (a failed COMMIT leaves SQLite's transaction open)
+                driver.rollback()
+        except Exception as exc:  # a connection that cannot roll back is not used again
+            _log.warning("database_inline_rollback_failed", error=repr(exc))
+            self._discard()
+
+    def _overran(self, fn: object, args: tuple[Any, ...]) -> None:
+        self._counts.overruns += 1
+        self._mark_slow(fn, args)
+        _log.info("database_inline_unit_overran", unit=getattr(fn, "__qualname__", repr(fn)), budget_s=self.budget_s)
+
+    def checkpointed(self, changes: int, frames: int) -> None:
+        """A checkpoint found ``frames`` in the WAL after inline commits changed ``changes`` rows:
+        checkpoint again after as many changed rows as fill :data:`_CHECKPOINT_FRAMES`."""
+        if changes > 0 and frames > 0:
+            self.checkpoint_after = max(1, min(_CHECKPOINT_MAX_AFTER, round(_CHECKPOINT_FRAMES * changes / frames)))
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.invalidate()
+                conn.close()
+            except Exception as exc:
+                _log.warning("database_inline_close_failed", error=repr(exc))
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+        self._engine.dispose()
+
+
+def _unit_key(fn: object, args: tuple[Any, ...]) -> tuple[object, object]:
+    """What tells one kind of unit from another: its function, and its first argument if that is a
+    statement (the generic functions, ``_execute(conn, statement, params)`` say, take it first)."""
+    first = args[0] if args else None
+    return (fn, first if isinstance(first, (ClauseElement, str)) else None)
+
+
 def _sqlite_busy_ms(timeout_s: float) -> int:
     return max(1, round(timeout_s * 1000))
 
@@ -768,6 +1191,28 @@ def _sqlite_sync_engine(engine: AsyncEngine, *, busy_timeout_ms: int) -> Engine:
     # their BEGIN themselves instead (run_write; a read runs in the driver's autocommit).
     _configure_sqlite_connections(sync_engine, busy_timeout_ms=busy_timeout_ms)
     _reset_unless_committed(sync_engine)
+    return sync_engine
+
+
+def _sqlite_inline_engine(engine: AsyncEngine, budget: _Budget) -> Engine:
+    """A pysqlite engine on the same file for the inline units (:class:`_InlineUnits`): its
+    connections never wait (``busy_timeout`` 0, from the connect on), never checkpoint by
+    themselves, and stop a statement past the unit's budget. No pool: the one connection is kept
+    open by :class:`_InlineUnits` (a pool's checkout could wait, on the loop's thread)."""
+    sync_engine = create_engine(
+        engine.url.set(drivername="sqlite+pysqlite"),
+        poolclass=NullPool,
+        connect_args={"check_same_thread": False, "timeout": 0},  # closed from dispose's thread
+        echo=engine.echo,
+        pool_reset_on_return=None,
+    )
+    _configure_sqlite_connections(sync_engine, busy_timeout_ms=0)
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
+        dbapi_connection.execute("PRAGMA wal_autocheckpoint=0")
+        dbapi_connection.set_progress_handler(budget, _INLINE_PROGRESS_STEPS)
+
     return sync_engine
 
 
