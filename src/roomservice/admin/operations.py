@@ -551,7 +551,7 @@ class OutboxAdmin:
 
     async def stats(self) -> OutboxStats:
         now_ms = self.clock()
-        counts, oldest_pending_due, oldest_retryable = await self.db.run_read(_read_stats)
+        counts, oldest_pending_due, oldest_retryable = await self.db.run_long_read(_read_stats)
         merged = {status: 0 for status in ALL_STATUSES}
         merged.update(counts)
         return OutboxStats(
@@ -583,12 +583,12 @@ class OutboxAdmin:
             raise errors.InvalidArgument("after_id pages oldest first; newest_first takes none")
         now_ms = self.clock()
         params = {**flt._params(now_ms), "after_id": after_id or 0, "limit": limit}
-        rows = await self.db.run_read(_all, _list_statement(flt._shape(), newest_first), params)
+        rows = await self.db.run_long_read(_all, _list_statement(flt._shape(), newest_first), params)
         return [_view(r, now_ms) for r in rows]
 
     async def count(self, filter: OutboxFilter | None = None) -> int:
         flt = (filter or OutboxFilter()).validated()
-        total, _max_id = await self.db.run_read(_one, _count_statement(flt._shape()), flt._params(self.clock()))
+        total, _max_id = await self.db.run_long_read(_one, _count_statement(flt._shape()), flt._params(self.clock()))
         return int(total or 0)
 
     async def show(self, event_id: str) -> OutboxRowDetail:
@@ -638,7 +638,7 @@ class OutboxAdmin:
             progress(0, len(ids))
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
-            outcomes = await self.db.run_write(_replay_ids, chunk, self.clock(), actor, _Mode(as_repair, chosen))
+            outcomes = await self.db.run_long_write(_replay_ids, chunk, self.clock(), actor, _Mode(as_repair, chosen))
             report.outcomes.extend(outcomes)
             self._notify(outcomes)
             if progress is not None:
@@ -681,7 +681,7 @@ class OutboxAdmin:
         actor = _actor(actor)
         now_ms = self.clock()
         shape, params = flt._shape(), flt._params(now_ms)
-        total_raw, max_id = await self.db.run_read(_one, _count_statement(shape), params)
+        total_raw, max_id = await self.db.run_long_read(_one, _count_statement(shape), params)
         total = int(total_raw or 0)
         report = ReplayReport(as_repair=as_repair, targets=chosen)
         if progress is not None:
@@ -692,7 +692,7 @@ class OutboxAdmin:
         after_id = 0
         while True:
             batch_params = {**params, "after_id": after_id, "max_id": int(max_id), "limit": batch_size}
-            outcomes, last_id = await self.db.run_write(
+            outcomes, last_id = await self.db.run_long_write(
                 _replay_next_batch, statement, batch_params, self.clock(), actor, _Mode(as_repair, chosen)
             )
             if last_id is None:

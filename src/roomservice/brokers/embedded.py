@@ -507,7 +507,7 @@ class EmbeddedBroker:
         return replayed
 
     async def group_stats(self, topic: str, group: str) -> GroupStats:
-        row = await self._store(self.db.run_read(_one, _STATS, {"b_group": group, "b_now": self._clock()}))
+        row = await self._store(self.db.run_long_read(_one, _STATS, {"b_group": group, "b_now": self._clock()}))
         lag, in_flight, dead = row
         return GroupStats(topic=topic, group=group, lag=int(lag), in_flight=int(in_flight), dead_letters=int(dead))
 
@@ -535,7 +535,7 @@ class EmbeddedBroker:
             params: dict[str, Any] = {"b_before": before_ms, "b_limit": missing}
             if state is not None:
                 params["b_state"] = state
-            n = await self._store(self.db.run_write(_execute, statement, params))
+            n = await self._store(self.db.run_long_write(_execute, statement, params))
             if n and state == _READY:
                 _log.warning("broker_backlog_expired", deliveries=n, before_ms=before_ms)
             deleted += n

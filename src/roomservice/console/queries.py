@@ -68,7 +68,7 @@ async def recent_commands(db: Database, app_code: str, room_id: str, *, limit: i
 
 async def backlog(db: Database) -> int:
     """Rows not finished yet: pending, retryable and delivering (an index range on status)."""
-    return int(await db.run_read(_scalar, _BACKLOG, {"statuses": list(BACKLOG_STATUSES)}) or 0)
+    return int(await db.run_long_read(_scalar, _BACKLOG, {"statuses": list(BACKLOG_STATUSES)}) or 0)
 
 
 def targets_split(event_type: str, mode: str, done: tuple[str, ...]) -> tuple[list[str], list[str]]:

@@ -325,7 +325,7 @@ class SqlOutboxRepository:
             if self.db.is_sqlite
             else (_MYSQL_DELETE_DELIVERED, _MYSQL_DELETE_PUBLISHED)
         )
-        return await self.db.run_write(_delete_delivered, statements, before_ms, limit)
+        return await self.db.run_long_write(_delete_delivered, statements, before_ms, limit)
 
 
 # --------------------------------------------------------------------------- parameters and rows

@@ -397,7 +397,7 @@ class SqlRoomStore:
         """
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        return await self.db.run_write(_prune_command_log, {"before_ms": before_ms, "batch_size": batch_size})
+        return await self.db.run_long_write(_prune_command_log, {"before_ms": before_ms, "batch_size": batch_size})
 
 
 # --------------------------------------------------------------------------- transaction units

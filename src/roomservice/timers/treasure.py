@@ -406,7 +406,7 @@ class DatabaseTreasureTimer:
 
     async def purge_fired(self, *, before_ms: int, limit: int) -> int:
         """Delete up to ``limit`` timers that fired before ``before_ms``; returns how many."""
-        return await self.db.run_write(_purge, {"b_before_ms": before_ms, "b_limit": limit})
+        return await self.db.run_long_write(_purge, {"b_before_ms": before_ms, "b_limit": limit})
 
 
 def _describe(exc: BaseException) -> str:
