@@ -964,7 +964,14 @@ class _InlineUnits:
 
     def write(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
         """``fn`` in a write transaction, inline; the caller holds the write lock."""
-        conn, driver, transaction = self._begin(write=True)
+        return self._run(fn, args, kwargs, write=True)
+
+    def read(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        """``fn`` in a read transaction (one snapshot for the unit), inline."""
+        return self._run(fn, args, kwargs, write=False)
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], *, write: bool) -> T:
+        conn, driver, transaction = self._begin(write=write)
         budget = self._budget
         changes_before = driver.total_changes
         started = budget.start(self.budget_s)
@@ -972,7 +979,8 @@ class _InlineUnits:
             result = fn(conn, *args, **kwargs)
             if budget.stop():  # fn went on past a stopped statement: not committed
                 raise _RunOnThread
-            transaction.commit()
+            if write:
+                transaction.commit()
         except BaseException:
             overran = budget.stop()
             self._end_transaction(conn, driver)
@@ -983,29 +991,11 @@ class _InlineUnits:
             raise
         finally:
             self._running = False
-        self._ran_inline(fn, args, started)
-        self.changes_since_checkpoint += driver.total_changes - changes_before
-        return result
-
-    def read(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
-        """``fn`` in a read transaction (one snapshot for the unit), inline."""
-        conn, driver, _transaction = self._begin(write=False)
-        budget = self._budget
-        started = budget.start(self.budget_s)
-        try:
-            result = fn(conn, *args, **kwargs)
-            if budget.stop():
-                raise _RunOnThread
-        except BaseException:
-            if budget.stop():
-                self._overran(fn, args)
-                raise _RunOnThread from None
-            self._ran_inline(fn, args, started)
-            raise
-        finally:
-            self._running = False
+        if not write:
             self._end_transaction(conn, driver)
         self._ran_inline(fn, args, started)
+        if write:
+            self.changes_since_checkpoint += driver.total_changes - changes_before
         return result
 
     def _begin(self, *, write: bool) -> tuple[Connection, sqlite3.Connection, RootTransaction]:
