@@ -70,7 +70,6 @@ for that one session, which is closed afterwards.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import math
 import sqlite3
@@ -602,7 +601,6 @@ class Database:
             self._checkpointing.cancel()
             await asyncio.gather(self._checkpointing, return_exceptions=True)
         if self._inline is not None:
-            _log.info("database_units", **dataclasses.asdict(self.unit_counts))
             self._inline.close()
         if self._sync_engine is not None and self._threads is not None:
             threads, sync_engine = self._threads, self._sync_engine
