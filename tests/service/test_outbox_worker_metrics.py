@@ -1,6 +1,6 @@
 """The worker's attempt metrics (``room_outbox_deliveries_total``, ``room_outbox_publish_seconds``):
-counted in a batch's tally and written once at the batch's end, they must still say exactly what each
-attempt did, on the row-after-row path and on the pipeline."""
+held back and applied once per turn of the loop (and before every collect), they must still say exactly
+what each attempt did, on the row-after-row path and on the pipeline."""
 
 from __future__ import annotations
 

@@ -50,11 +50,11 @@ def test_batches_export_what_commands_observed_one_by_one_do(
     by_value, batched = CommandMetrics(one), CommandMetrics(many)
     for i, (command, result, stages) in enumerate(recorded):
         by_value.observe(command, result, stages)
-        batched._pending.append((command, result, stages))  # record() as inside a running loop
+        batched._held.append((command, result, stages))  # record() as inside a running loop
         if i % flush_every == 0:
             batched.flush()
     _assert_same(_samples(many), _samples(one))  # the collect flushes what is still held back
-    assert not batched._pending
+    assert not batched._held
 
 
 def test_a_stage_that_did_not_run_is_not_observed_but_total_always_is() -> None:
@@ -73,9 +73,9 @@ async def test_a_turn_of_the_loop_is_applied_once_it_is_over_without_a_collect()
     metrics = CommandMetrics(registry)
     for _ in range(3):
         metrics.record("JoinRoom", "ok", (0.1, 0.2, 0.0, 1.0, 0.0, 0.1, 2.0))
-    assert len(metrics._pending) == 3  # held back while this turn runs
+    assert len(metrics._held) == 3  # held back while this turn runs
     await asyncio.sleep(0)  # one turn: the flush the first record scheduled (call_soon, FIFO) runs before us
-    assert not metrics._pending
+    assert not metrics._held
     counter = registry.get_sample_value("room_commands_total", {"command": "JoinRoom", "result": "ok"})
     assert counter == 3
     assert registry.get_sample_value("room_command_seconds_sum", {"command": "JoinRoom"}) == pytest.approx(0.006)
@@ -85,7 +85,7 @@ async def test_a_collect_sees_commands_recorded_in_the_same_turn() -> None:
     registry = FlushingRegistry()
     metrics = CommandMetrics(registry)
     metrics.record("SendGift", "insufficient_balance", (0.1, 0.2, 0.3, 0.0, 0.0, 0.0, 1.0))
-    assert metrics._pending  # not applied yet
+    assert metrics._held  # not applied yet
     labels = {"command": "SendGift", "stage": "wallet_debit"}
     assert registry.get_sample_value("room_command_stage_seconds_count", labels) == 1
     assert registry.get_sample_value("room_commands_total", {"command": "SendGift", "result": "insufficient_balance"})

@@ -147,7 +147,40 @@ _LAST_STAGE: Final = len(STAGES) - 1
 _FLUSH_AT: Final = 1024  # recorded commands held back at most (a loop that never ran its flush)
 
 
-class CommandMetrics:
+class _HeldBack:
+    """Entries held back and applied together (:meth:`_apply`) once per turn of the event loop
+    (``call_soon`` by a batch's first entry), when :data:`_FLUSH_AT` are held, and before every
+    collect of the registry. :meth:`flush` is safe from any thread: the loop's thread only appends,
+    and a flush takes exactly the entries it copied (a list copy and a slice delete are atomic)."""
+
+    def __init__(self, registry: FlushingRegistry) -> None:
+        self._held: list[Any] = []
+        registry.before_collect.append(self.flush)
+
+    def _hold(self, entry: Any) -> None:
+        held = self._held
+        held.append(entry)
+        if len(held) == 1:  # the batch's first: apply the batch once this turn of the loop is over
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop (a synchronous caller): nothing to batch with
+                self.flush()
+        elif len(held) >= _FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply every entry held."""
+        held = self._held
+        batch = held[:]
+        if batch:
+            del held[: len(batch)]
+            self._apply(batch)
+
+    def _apply(self, batch: list[Any]) -> None:
+        raise NotImplementedError
+
+
+class CommandMetrics(_HeldBack):
     """``room_commands_total``, ``room_command_seconds`` and ``room_command_stage_seconds``.
 
     A command is recorded (:meth:`record`: one list append) and applied with the other commands
@@ -181,31 +214,15 @@ class CommandMetrics:
         # label children cached: labels() takes a lock each call
         self._counters: dict[tuple[str, str], Counter] = {}
         self._histograms: dict[str, tuple[Histogram, ...]] = {}  # room_command_seconds, then one per stage
-        self._pending: list[tuple[str, str, Sequence[float]]] = []
-        registry.before_collect.append(self.flush)
+        super().__init__(registry)
 
     def record(self, command: str, result: str, stage_ms: Sequence[float]) -> None:
         """One command: counted by ``(command, result)``; its stage timings, in :data:`STAGES` order
         and milliseconds, observed (a stage at exactly 0 never ran and is skipped, except ``total``,
         always observed, in ``room_command_seconds`` too). Applied by the next :meth:`flush`."""
-        pending = self._pending
-        pending.append((command, result, stage_ms))
-        if len(pending) == 1:  # the batch's first: apply the batch once this turn of the loop is over
-            try:
-                asyncio.get_running_loop().call_soon(self.flush)
-            except RuntimeError:  # no loop (a synchronous caller): nothing to batch with
-                self.flush()
-        elif len(pending) >= _FLUSH_AT:
-            self.flush()
+        self._hold((command, result, stage_ms))
 
-    def flush(self) -> None:
-        """Apply every recorded command. Safe from any thread: the loop's thread only appends, and
-        a flush takes exactly the records it copied (a list copy and a slice delete are atomic)."""
-        pending = self._pending
-        batch = pending[:]
-        if not batch:
-            return
-        del pending[: len(batch)]
+    def _apply(self, batch: list[tuple[str, str, Sequence[float]]]) -> None:
         counts: dict[tuple[str, str], int] = {}
         values: dict[str, list[list[float]]] = {}
         for command, result, stage_ms in batch:
@@ -251,15 +268,11 @@ class CommandMetrics:
         return children
 
 
-class HeldBack:
-    """Counter increments and histogram observations of a hot path (a consumer delivery), held back
-    and applied once per turn of the event loop, as :class:`CommandMetrics` does for commands: each
-    child incremented once by its count, each histogram child with :func:`observe_many`. The
-    registry applies what is held before every collect."""
-
-    def __init__(self, registry: FlushingRegistry) -> None:
-        self._held: list[tuple[Any, float | None]] = []  # (child, value); None: a counter's +1
-        registry.before_collect.append(self.flush)
+class HeldBack(_HeldBack):
+    """Counter increments and histogram observations of a hot path (a consumer delivery, an outbox
+    publish attempt), held back and applied once per turn of the event loop, as
+    :class:`CommandMetrics` does for commands: each child incremented once by its count, each
+    histogram child with :func:`observe_many`. Entries: (child, value); None: a counter's +1."""
 
     def inc(self, counter: Any) -> None:
         """``counter.inc()``, applied by the next flush."""
@@ -269,24 +282,7 @@ class HeldBack:
         """``histogram.observe(value)``, applied by the next flush."""
         self._hold((histogram, value))
 
-    def _hold(self, entry: tuple[Any, float | None]) -> None:
-        held = self._held
-        held.append(entry)
-        if len(held) == 1:
-            try:
-                asyncio.get_running_loop().call_soon(self.flush)
-            except RuntimeError:
-                self.flush()
-        elif len(held) >= _FLUSH_AT:
-            self.flush()
-
-    def flush(self) -> None:
-        """Apply everything held (from any thread, as :meth:`CommandMetrics.flush`)."""
-        held = self._held
-        batch = held[:]
-        if not batch:
-            return
-        del held[: len(batch)]
+    def _apply(self, batch: list[tuple[Any, float | None]]) -> None:
         counts: dict[Any, int] = {}
         values: dict[Any, list[float]] = {}
         for child, value in batch:

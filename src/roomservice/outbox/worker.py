@@ -58,6 +58,7 @@ from roomservice.futures import Bounds, Deadlines
 from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger, log_context
 from roomservice.observability.metrics import (
+    HELD_BACK,
     OUTBOX_CLAIM_BATCH,
     OUTBOX_COMMIT_TO_DELIVERED_SECONDS,
     OUTBOX_DELIVERIES,
@@ -128,11 +129,18 @@ _PUBLISH_SECONDS: dict[str, Any] = {}
 _FINISHED = {status: OUTBOX_ROWS_FINISHED.labels(status) for status in ("delivered", "failed", "retryable")}
 
 
-def _count_delivery(target: str, outcome: str, n: int = 1) -> None:
+def _deliveries(target: str, outcome: str) -> Any:
     child = _DELIVERIES.get((target, outcome))
     if child is None:
         child = _DELIVERIES[(target, outcome)] = OUTBOX_DELIVERIES.labels(target, outcome)
-    child.inc(n)
+    return child
+
+
+def _attempted(target: str, outcome: str, seconds: float) -> None:
+    """Count and time one publish attempt; held back and applied once per turn of the loop
+    (``HELD_BACK``: a counter and a histogram update per attempt were a lock and a bisect each)."""
+    HELD_BACK.inc(_deliveries(target, outcome))
+    HELD_BACK.observe(_publish_seconds(target), seconds)
 
 
 def _publish_seconds(target: str) -> Any:
@@ -157,33 +165,6 @@ class _Route:
     publishers: tuple[Publisher | None, ...]  # by target, None where this process has none
     decode: bool  # a publisher takes the decoded Event (the broker target takes the row's own fields)
     piped: tuple[str, PipeliningPublisher] | None  # the one target, when its publisher pipelines
-
-
-class _Tally:
-    """A batch's publish attempts, counted and timed in memory and written to the metrics once, at its
-    end (``flush``): a counter and a histogram update per attempt were a lock and a bisect each."""
-
-    __slots__ = ("counts", "latencies")
-
-    def __init__(self) -> None:
-        self.counts: dict[tuple[str, str], int] = {}
-        self.latencies: dict[str, list[float]] = {}
-
-    def add(self, target: str, outcome: str, seconds: float) -> None:
-        key = (target, outcome)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        latencies = self.latencies.get(target)
-        if latencies is None:
-            latencies = self.latencies[target] = []
-        latencies.append(seconds)
-
-    def flush(self) -> None:
-        counts, latencies = self.counts, self.latencies
-        self.counts, self.latencies = {}, {}
-        for (target, outcome), n in counts.items():
-            _count_delivery(target, outcome, n)
-        for target, seconds in latencies.items():
-            observe_many(_publish_seconds(target), seconds)
 
 
 class WorkerNotReady(errors.Unavailable):
@@ -237,7 +218,6 @@ class OutboxWorker:
         self._unfinished: _Finish | None = None  # a finish whose write failed: retried first
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
         self._routes: dict[tuple[str, frozenset[str]], _Route] = {}  # by (event type, targets done)
-        self._tally = _Tally()  # the current batch's attempts, written to the metrics at its end
         self._bounds = Bounds()  # the publish attempts' publish_timeout: one timer for those in flight
         self._carried: list[ClaimedRow] | None = None  # claimed by the last finish, published next cycle
         self._deferred = False  # the last cycle handed rows back that were due: no poll sleep before the next
@@ -432,7 +412,6 @@ class OutboxWorker:
                 runners = [runner() for _ in range(min(self.options.publish_concurrency, len(plain)))]
                 await asyncio.gather(*runners, *([piper()] if piped else []))
         finally:
-            self._tally.flush()
             timer.cancel()
             for task in keeper:
                 task.cancel()
@@ -614,11 +593,10 @@ class OutboxWorker:
         return "retryable", (False, repr(error))  # a publisher bug is retried, like an outage
 
     def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
-        """An attempt's end: None on success, else (permanent, message); beats and counts it (in the
-        batch's tally: the metrics see it when the batch's publishing ends)."""
+        """An attempt's end: None on success, else (permanent, message); beats and counts it."""
         outcome, result = self._classify(error)
         self._beat()
-        self._tally.add(target, outcome, time.perf_counter() - started)
+        _attempted(target, outcome, time.perf_counter() - started)
         return result
 
     async def _publish(
@@ -626,7 +604,7 @@ class OutboxWorker:
     ) -> tuple[bool, str] | None:
         """None on success, else (permanent, message)."""
         if publisher is None:
-            _count_delivery(target, "no_publisher")
+            _deliveries(target, "no_publisher").inc()
             return (False, f"no publisher for target {target!r} in this process")
         started = time.perf_counter()
         timeout = self.options.publish_timeout_s
@@ -708,7 +686,7 @@ class _Pipeline:
     Per row this costs a send and a done callback: the acknowledgements' deadlines share one timer
     (:class:`~roomservice.futures.Deadlines`: one past its own is cancelled, which its callback
     counts as a timeout); the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the
-    attempts' latencies and outcomes go to the batch's tally (:class:`_Tally`)."""
+    attempts' latencies and outcomes go to the metrics held back (``HELD_BACK``)."""
 
     def __init__(self, worker: OutboxWorker, semaphore: asyncio.Semaphore) -> None:
         self.worker = worker
@@ -793,7 +771,7 @@ class _Pipeline:
     def _ended(self, row: ClaimedRow, target: str, t0: float, error: BaseException | None) -> Outcome:
         outcome, result = self.worker._classify(error)
         self.worker._beat()
-        self.worker._tally.add(target, outcome, time.perf_counter() - t0)
+        _attempted(target, outcome, time.perf_counter() - t0)
         return self.worker._outcome(row, target, result)
 
     def _acknowledged(
