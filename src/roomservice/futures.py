@@ -24,7 +24,7 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Awaitable, Callable, Generator
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -114,7 +114,18 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
         return await first
 
 
-class Deadlines:
+class Watched(Protocol):
+    """What :class:`Deadlines` watches: a future, or anything that says when it is done and on which loop."""
+
+    def done(self) -> bool: ...
+
+    def get_loop(self) -> asyncio.AbstractEventLoop: ...
+
+
+W = TypeVar("W", bound=Watched)
+
+
+class Deadlines(Generic[W]):
     """Futures watched until their deadline (``loop.time()`` seconds): one past it and not done yet
     is handed to ``on_expiry``, which must make it done (fail it, or cancel it). ONE timer, armed
     for the earliest deadline of a future not done; a future done before its deadline costs nothing
@@ -122,15 +133,15 @@ class Deadlines:
 
     __slots__ = ("_heap", "_on_expiry", "_order", "_timer", "_timer_at", "_timer_loop")
 
-    def __init__(self, on_expiry: Callable[[asyncio.Future[Any]], None]) -> None:
+    def __init__(self, on_expiry: Callable[[W], None]) -> None:
         self._on_expiry = on_expiry
-        self._heap: list[tuple[float, int, asyncio.Future[Any]]] = []
+        self._heap: list[tuple[float, int, W]] = []
         self._order = itertools.count()  # ties: first come, first expired; futures are never compared
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._timer_loop: asyncio.AbstractEventLoop | None = None
 
-    def watch(self, future: asyncio.Future[Any], deadline: float) -> None:
+    def watch(self, future: W, deadline: float) -> None:
         heap = self._heap
         while heap and heap[0][2].done():  # done before their deadline: nothing left to expire
             heapq.heappop(heap)
@@ -140,7 +151,7 @@ class Deadlines:
         if self._timer is None or self._timer_loop is not loop or deadline < self._timer_at:
             self._arm(loop, heap[0][0])
 
-    def close(self) -> list[asyncio.Future[Any]]:
+    def close(self) -> list[W]:
         """Stop watching; returns the futures watched that are not done yet."""
         if self._timer is not None:
             self._timer.cancel()
@@ -172,58 +183,25 @@ _ENTERED, _EXPIRING, _EXITED = 1, 2, 3
 
 
 class Bounds:
-    """Time bounds of ``async with`` blocks, kept by ONE timer armed for the earliest deadline of a
-    block still running (see the module doc). A block that ends before its deadline (almost all)
-    costs a heap entry, dropped when the timer or a later block passes it; not an armed and
-    cancelled timer of its own. One event loop at a time (a new loop starts afresh)."""
+    """Time bounds of ``async with`` blocks (see the module doc), kept by one :class:`Deadlines`: a
+    block that ends before its deadline (almost all) costs a heap entry, dropped when the timer or
+    a later block passes it; not an armed and cancelled timer of its own."""
 
-    __slots__ = ("_heap", "_loop", "_order", "_timer", "_timer_at")
+    __slots__ = ("_deadlines",)
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, _Bound]] = []
-        self._order = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        self._deadlines: Deadlines[_Bound] = Deadlines(_Bound.expire)
 
     def within(self, delay: float) -> _Bound:
         """A block bounded by ``delay`` seconds from when it is entered."""
-        return _Bound(self, delay)
-
-    def _add(self, bound: _Bound, loop: asyncio.AbstractEventLoop) -> None:
-        heap = self._heap
-        if loop is not self._loop:  # a loop since closed never fires its timer: start afresh
-            heap.clear()
-            self._loop, self._timer = loop, None
-        while heap and heap[0][2].state == _EXITED:
-            heapq.heappop(heap)
-        heapq.heappush(heap, (bound.deadline, next(self._order), bound))
-        if self._timer is None or bound.deadline < self._timer_at:
-            self._arm(loop, heap[0][0])
-
-    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = loop.call_at(at, self._expire, loop), at
-
-    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._timer = None
-        heap, now = self._heap, loop.time()
-        while heap:
-            deadline, _, bound = heap[0]
-            if bound.state == _ENTERED:
-                if deadline > now:
-                    self._arm(loop, deadline)
-                    return
-                bound.expire()
-            heapq.heappop(heap)
+        return _Bound(self._deadlines, delay)
 
 
 class _Bound:
-    __slots__ = ("bounds", "deadline", "delay", "state", "task")
+    __slots__ = ("deadline", "deadlines", "delay", "state", "task")
 
-    def __init__(self, bounds: Bounds, delay: float) -> None:
-        self.bounds, self.delay = bounds, delay
+    def __init__(self, deadlines: Deadlines[_Bound], delay: float) -> None:
+        self.deadlines, self.delay = deadlines, delay
         self.deadline = 0.0
         self.state = 0
         self.task: asyncio.Task[Any] | None = None
@@ -232,9 +210,8 @@ class _Bound:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a bound must be entered in a task")
-        loop = task.get_loop()
-        self.task, self.state, self.deadline = task, _ENTERED, loop.time() + self.delay
-        self.bounds._add(self, loop)
+        self.task, self.state, self.deadline = task, _ENTERED, task.get_loop().time() + self.delay
+        self.deadlines.watch(self, self.deadline)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
@@ -243,6 +220,13 @@ class _Bound:
         # as asyncio.Timeout: the cancellation is ours only when no one else cancelled the task too
         if expiring and self.task is not None and self.task.uncancel() == 0 and exc_type is asyncio.CancelledError:
             raise TimeoutError from exc
+
+    def done(self) -> bool:  # (for Deadlines: expiring or exited, there is nothing left to expire)
+        return self.state != _ENTERED
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        assert self.task is not None
+        return self.task.get_loop()
 
     def expire(self) -> None:
         self.state = _EXPIRING
