@@ -6,7 +6,14 @@
 
 Under load a batch costs one transaction, not two: the finish of one batch carries
 the claim of the next (``finish_and_claim``); a claim runs alone only when the last
-finish found nothing, failed, or the worker is stopping. A short batch's finish is written
+finish found nothing, failed, or the worker is stopping. Under a backlog (a full
+batch) that transaction runs *while* the batch publishes: it writes the finish of the
+batch before and claims the batch after, so publishing and the database overlap
+(a round trip to MySQL/MariaDB is most of a cycle). A batch's finish is then held
+until the next batch is in hand and rides with the claim after it; a short batch, a
+stop or a failure writes what is held as before. Rows are claimed at most one batch
+ahead, under this worker's lease (the keeper extends them too); per-room order is
+kept within the worker, as the next batch publishes only after this one ended. A short batch's finish is written
 as soon as its rows are published: ``finish_linger_s`` (0 by default) can make it wait for
 the next commit's wake-up so that the finish also carries that claim, at the price of
 holding every short batch's "delivered" back by up to that long (issue 12: at 200 events/s
@@ -183,6 +190,10 @@ class _Finish:
     def rows(self) -> int:
         return len(self.delivered) + len(self.retries)
 
+    def merged(self, later: _Finish) -> _Finish:
+        """Two batches' decisions written as one (each row is in one of them)."""
+        return _Finish(later.now_ms, self.delivered + later.delivered, self.retries + later.retries)
+
 
 def new_owner() -> str:
     return f"worker-{uuid.uuid4().hex[:12]}"
@@ -336,6 +347,59 @@ class OutboxWorker:
             self._may_hold_claims = False
             return 0
         self.batches += 1
+        # Under a backlog the next batch is claimed while this one publishes, in one transaction
+        # with the last batch's finish (held back for it): publishing and the database overlap.
+        ahead: asyncio.Task[None] | None = None
+        if not self._stopping and len(rows) >= self.options.batch_size:
+            held = self._unfinished or _Finish(self.clock(), [], [])
+            ahead = asyncio.create_task(self._finish(held, ahead=True), name=f"outbox-claim-ahead-{self.owner}")
+        untried: list[ClaimedRow] = []
+        try:
+            outcomes = await self._publish_batch(rows, untried, ahead)
+            if ahead is not None:
+                await asyncio.wait({ahead})
+        except BaseException:
+            if ahead is not None:  # its claim must be known; then every claim goes back next cycle
+                await asyncio.wait({ahead})
+                if not ahead.cancelled():
+                    ahead.exception()  # retrieved: the held finish stays unwritten if it failed
+                self._carried = None
+                self._may_hold_claims = True
+            raise
+        decided = self._decide(outcomes)
+        if self._unfinished is not None:  # the last batch's, held back and not written ahead: one write
+            decided = self._unfinished.merged(decided)
+        # decided before the deferral is written: if that fails, the next cycle writes this
+        # finish first and then hands the untried rows back (release), none delivered twice
+        self._unfinished = decided
+        following: list[ClaimedRow] = []
+        if ahead is not None:
+            failure = ahead.exception()
+            if failure is not None:  # the next cycle writes both finishes, then hands every claim back
+                self._may_hold_claims = True
+                raise failure
+            following, self._carried = self._carried or [], None
+        if untried:  # never attempted: to the back of the queue, behind the other rooms' rows
+            self._may_hold_claims = True
+            await self.repository.defer(owner=self.owner, row_ids=[r.id for r in untried], now_ms=self.clock())
+            self._deferred = True
+        if following:  # the next batch is in hand: this finish rides with the claim after it
+            self._may_hold_claims = True
+            self._carried = following
+            return len(rows)
+        # every claimed row is now deferred or decided: a failed finish is retried as it is
+        self._may_hold_claims = False
+        if len(rows) < self.options.batch_size and not untried:
+            await self._linger()
+        await self._finish(decided)
+        return len(rows)
+
+    async def _publish_batch(
+        self, rows: list[ClaimedRow], untried: list[ClaimedRow], ahead: asyncio.Task[None] | None
+    ) -> list[Outcome]:
+        """Publish a batch: rooms in parallel, each room's rows in version order. Rows a busy
+        room's lane never reached go to ``untried``. ``ahead``: the claim of the next batch,
+        whose rows the lease keeper extends too once it has them."""
         # Rooms in parallel, each room's rows in version order: an IM group is created
         # before it gets messages and destroyed after them, as the room lived it.
         semaphore = asyncio.Semaphore(self.options.publish_concurrency)
@@ -344,7 +408,6 @@ class OutboxWorker:
             lanes.setdefault((row.app_code, row.room_id), []).append(row)
         started = time.monotonic()
         budget = self.options.lane_budget_s
-        untried: list[ClaimedRow] = []
         # A room whose every row goes to one and the same pipelining publisher joins the batch's
         # one pipeline (rows sent without waiting for each other's acknowledgement, the publisher
         # keeping their order); every other room is a lane, published row after row.
@@ -385,9 +448,14 @@ class OutboxWorker:
         # of its own for the others (almost all), only a timer
         keeper: list[asyncio.Task[None]] = []
 
-        def keep() -> None:
+        def held() -> list[int]:
             ids = [r.id for r in rows]
-            keeper.append(asyncio.create_task(self._keep_claims(ids), name=f"outbox-claims-{self.owner}"))
+            if ahead is not None and ahead.done() and not ahead.cancelled() and ahead.exception() is None:
+                ids.extend(r.id for r in self._carried or ())
+            return ids
+
+        def keep() -> None:
+            keeper.append(asyncio.create_task(self._keep_claims(held), name=f"outbox-claims-{self.owner}"))
 
         timer = asyncio.get_running_loop().call_later(self.options.extend_every_s, keep)
         try:
@@ -416,18 +484,7 @@ class OutboxWorker:
             for task in keeper:
                 task.cancel()
             await asyncio.gather(*keeper, return_exceptions=True)
-        # decided before the deferral is written: if that fails, the next cycle writes this
-        # finish first and then hands the untried rows back (release), none delivered twice
-        decided = self._unfinished = self._decide([outcome for outcomes in per_room for outcome in outcomes])
-        if untried:  # never attempted: to the back of the queue, behind the other rooms' rows
-            await self.repository.defer(owner=self.owner, row_ids=[r.id for r in untried], now_ms=self.clock())
-            self._deferred = True
-        # every claimed row is now deferred or decided: a failed finish is retried as it is
-        self._may_hold_claims = False
-        if len(rows) < self.options.batch_size and not untried:
-            await self._linger()
-        await self._finish(decided)
-        return len(rows)
+        return [outcome for outcomes in per_room for outcome in outcomes]
 
     async def _linger(self) -> None:
         """Before finishing a batch that left nothing behind, wait up to ``finish_linger_s``
@@ -443,12 +500,13 @@ class OutboxWorker:
             async with asyncio.timeout(linger):
                 await self._wakeup.wait()
 
-    async def _finish(self, decided: _Finish) -> None:
+    async def _finish(self, decided: _Finish, *, ahead: bool = False) -> None:
         """Write a batch's decisions, claiming the next batch in the same transaction;
         a write that fails is retried (finish alone) next cycle. The caller has set
-        ``_unfinished`` to ``decided`` already (before any deferral)."""
+        ``_unfinished`` to ``decided`` already (before any deferral), unless ``decided``
+        is empty. ``ahead``: a batch is publishing meanwhile, its claims held."""
         if self._stopping:  # no new claims while stopping
-            await self._settle()
+            await (self._write_unfinished() if ahead else self._settle())
             return
         full = time.monotonic() - self._last_full_claim >= FULL_CLAIM_EVERY_S
         if full:
@@ -474,6 +532,16 @@ class OutboxWorker:
 
     async def _settle(self) -> None:
         """Write a finish that failed earlier, then hand back claims a failed cycle may have left."""
+        await self._write_unfinished()
+        if self._may_hold_claims:
+            released = await self.repository.release(owner=self.owner, row_ids=None, now_ms=self.clock())
+            self._may_hold_claims = False
+            self._beat()
+            if released:
+                _log.info("outbox_claims_released", owner=self.owner, rows=released, reason="failed_cycle")
+
+    async def _write_unfinished(self) -> None:
+        """Write the decisions not written yet: held back for a claim, or whose write failed."""
         pending = self._unfinished
         if pending is not None:
             changed = await self.repository.finish(
@@ -484,17 +552,12 @@ class OutboxWorker:
             if changed < pending.rows:
                 # our claim expired and another worker took rows over: its finish wins
                 _log.warning("outbox_claims_lost", owner=self.owner, expected=pending.rows, changed=changed)
-        if self._may_hold_claims:
-            released = await self.repository.release(owner=self.owner, row_ids=None, now_ms=self.clock())
-            self._may_hold_claims = False
-            self._beat()
-            if released:
-                _log.info("outbox_claims_released", owner=self.owner, rows=released, reason="failed_cycle")
 
-    async def _keep_claims(self, row_ids: list[int]) -> None:
-        """Extend this batch's claims now and every ``lock_timeout / 3`` until cancelled
+    async def _keep_claims(self, held: Callable[[], list[int]]) -> None:
+        """Extend the claims ``held()`` names now and every ``lock_timeout / 3`` until cancelled
         (started ``lock_timeout / 3`` into the batch)."""
         while True:
+            row_ids = held()
             try:
                 kept = await self.repository.extend(
                     owner=self.owner, row_ids=row_ids, now_ms=self.clock(), lock_ms=self.options.lock_ms
