@@ -70,6 +70,7 @@ for that one session, which is closed afterwards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import sqlite3
@@ -199,6 +200,7 @@ class Database:
         self._reaper: _SessionReaper | None = None
         self._inline: _InlineUnits | None = None
         self._checkpointing: asyncio.Task[None] | None = None
+        self._checkpoint_copied = asyncio.Event()  # the running checkpoint's first pass is done
         self.unit_counts = UnitCounts()
         if self.dialect_name == "sqlite":
             _take_over_sqlite_transactions(engine.sync_engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
@@ -427,7 +429,6 @@ class Database:
                         await self._write_lock.acquire()
                 except TimeoutError as exc:
                     raise self._deadline_exceeded() from exc
-            handed_over = False  # the write lock, to a checkpoint
             try:
                 if run_inline and inline_units is not None:
                     try:
@@ -435,7 +436,10 @@ class Database:
                     except _RunOnThread:
                         pass
                     else:
-                        handed_over = self._checkpoint_if_due(inline_units)
+                        if self._checkpointing is None:
+                            self._checkpoint_if_due(inline_units)
+                        elif inline_units.changes_since_checkpoint >= inline_units.checkpoint_after // 4:
+                            await self._wait_for_checkpoint_copy(deadline)
                         return result
                 took: list[float] = []
                 result = await self._write_on_thread(self._sync_engine, fn, args, kwargs, deadline, took)
@@ -443,8 +447,7 @@ class Database:
                     inline_units.ran_on_thread(fn, args, took[0])
                 return result
             finally:
-                if not handed_over:
-                    self._write_lock.release()
+                self._write_lock.release()
 
     async def _write_on_thread(
         self,
@@ -512,30 +515,50 @@ class Database:
             inline_units.ran_on_thread(fn, args, took[0])
         return result
 
-    def _checkpoint_if_due(self, inline: _InlineUnits) -> bool:
-        """After an inline commit, with the write lock held: if the inline commits since the last
-        checkpoint have filled about :data:`_CHECKPOINT_FRAMES` pages of WAL (estimated from the
-        rows they changed), start one and hand it the write lock (True), as SQLite's auto-checkpoint
-        runs inside the commit that crosses the threshold. With no write of this process in between,
-        a PASSIVE checkpoint copies every frame, so the next write starts the WAL over instead of
-        growing it. The writer that crossed the threshold is answered at once; the writers after it
-        wait for the lock."""
+    def _checkpoint_if_due(self, inline: _InlineUnits) -> None:
+        """After an inline commit: if the inline commits since the last checkpoint have filled about
+        :data:`_CHECKPOINT_FRAMES` pages of WAL (estimated from the rows they changed), start one on
+        a thread, as SQLite's auto-checkpoint runs inside the commit that crosses the threshold (the
+        writer that crossed it is answered at once)."""
         if inline.changes_since_checkpoint < inline.checkpoint_after or self._checkpointing is not None:
-            return False
+            return
         changes, inline.changes_since_checkpoint = inline.changes_since_checkpoint, 0
         task = asyncio.get_running_loop().create_task(self._checkpoint(inline, changes), name="database-checkpoint")
-        task.add_done_callback(self._checkpoint_done)  # releases the lock, even if cancelled before it ran
+        task.add_done_callback(self._checkpoint_done)
         self._checkpointing = task
-        return True
+
+    async def _wait_for_checkpoint_copy(self, deadline: float) -> None:
+        """With the write lock held: the WAL has grown by a quarter of a checkpoint's worth while the running
+        checkpoint's first pass copies (writes faster than it copies): this writer holds the lock, and
+        every writer behind it waits, until that pass is done (or the unit's deadline), so the WAL
+        stays bounded. At moderate rates a checkpoint's copy ends long before that."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await self._checkpoint_copied.wait()
 
     async def _checkpoint(self, inline: _InlineUnits, changes: int) -> None:
-        frames = await asyncio.get_running_loop().run_in_executor(self._threads, self._checkpoint_on_thread)
+        """Two PASSIVE checkpoints. The first copies the frames there are while this process's
+        writers go on (copying ~1,000 pages is milliseconds: with the write lock held, every write
+        behind it waited that long, the commit -> delivered tail at 200 events/s). The second, with
+        the write lock, copies the few frames written meanwhile: with no write of this process in
+        between, every frame is then copied and the next write starts the WAL over instead of
+        growing it. Writers that outrun the first pass wait for it (:meth:`_wait_for_checkpoint_copy`)."""
+        loop = asyncio.get_running_loop()
+        self._checkpoint_copied.clear()
+        try:
+            frames = await loop.run_in_executor(self._threads, self._checkpoint_on_thread)
+        finally:
+            self._checkpoint_copied.set()
+        await self._write_lock.acquire()
+        try:
+            await loop.run_in_executor(self._threads, self._checkpoint_on_thread)
+        finally:
+            self._write_lock.release()
         self.unit_counts.checkpoints += 1
         inline.checkpointed(changes, frames)
 
     def _checkpoint_done(self, task: asyncio.Task[None]) -> None:
         self._checkpointing = None
-        self._write_lock.release()
         if not task.cancelled() and task.exception() is not None:  # the next commits try again
             _log.warning("database_checkpoint_failed", error=repr(task.exception()))
 
