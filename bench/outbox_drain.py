@@ -33,6 +33,7 @@ import sqlalchemy as sa
 from bench.bare import claim_finish_cycles, open_raw
 from bench.common import DIRECT_MODE, fresh_database, percentile
 from roomservice.bootstrap import Process
+from roomservice.cli.collector import settle_after_start
 from roomservice.config import load_settings
 from roomservice.domain import commands as c
 from roomservice.domain import events as e
@@ -172,6 +173,7 @@ async def commit_to_delivered(backend: str, *, rate: int = 200, seconds: float =
                 svc = rt.service
                 for r in range(rooms):
                     await svc.execute("bench", f"lat{r}", f"create{r}", c.CreateRoom(owner_id="o", title="latency"))
+                settle_after_start()  # the collector as `room-service serve` sets it once started
                 total = int(rate * seconds)
                 start = time.perf_counter()
                 for i in range(total):  # open loop: one command every 1/rate s

@@ -14,6 +14,7 @@ import signal
 import time
 from typing import TextIO
 
+from roomservice.cli.collector import settle_after_start
 from roomservice.domain.events import Event
 from roomservice.outbox.model import BROKER, ClaimedRow, Outcome, PublishMode
 from roomservice.outbox.policy import RetryPolicy
@@ -62,7 +63,9 @@ async def main() -> None:
     parser.add_argument("--start-on-sigusr1", action="store_true", help="claim nothing before SIGUSR1")
     args = parser.parse_args()
     db = Database.from_url(args.url, pool_size=4, max_overflow=2)
-    worker = RecordingWorker(
+    # without a log, the worker as `room-service worker` runs it (no recording layer per row)
+    worker_class = RecordingWorker if args.log else OutboxWorker
+    worker = worker_class(
         repository=SqlOutboxRepository(db),
         publishers=PublisherSet({BROKER: RecordingPublisher(args.delay_ms / 1000)}),
         policy=RetryPolicy(initial_backoff_ms=100, max_backoff_ms=1_000, max_retry_count=10),
@@ -81,9 +84,11 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     log = open(args.log, "a", buffering=1) if args.log else None  # noqa: SIM115 - closed below
-    worker.log = log
+    if isinstance(worker, RecordingWorker):
+        worker.log = log
     go = asyncio.Event()
     loop.add_signal_handler(signal.SIGUSR1, go.set)
+    settle_after_start()  # the collector as `room-service worker` sets it once started
     try:
         if args.start_on_sigusr1:  # several workers can then start claiming at one instant
             print("ready", flush=True)
