@@ -10,6 +10,7 @@ import contextlib
 import tempfile
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,34 @@ class FailingAroundCommit:
         return answer
 
 
+async def _insert(db: Database, events: list[Event], now_ms: int) -> None:
+    async with db.write() as conn:
+        await conn.execute(
+            sa.insert(t.room_outbox),
+            [
+                dict(
+                    event_id=ev.event_id,
+                    app_code="demo",
+                    room_id=ev.room_id,
+                    room_version=1,
+                    event_type=ev.type,
+                    payload=encode_event(ev),
+                    status="pending",
+                    retry_count=0,
+                    targets_done="",
+                    due_at_ms=now_ms,
+                    created_at_ms=now_ms,
+                    updated_at_ms=now_ms,
+                )
+                for ev in events
+            ],
+        )
+
+
+def _events(n: int) -> list[Event]:
+    return [Event(uuid.uuid4().hex, "demo", f"r{i}", 1, T0, e.RoomMicLeft(user_id="u", seat=1)) for i in range(n)]
+
+
 steps = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), st.integers(1, 5)),
@@ -126,27 +155,7 @@ async def _scenario(script: list[tuple[Any, ...]], path: Path) -> None:
                     for i in range(step[1])
                 ]
                 events.extend(ev.event_id for ev in batch)
-                async with db.write() as conn:
-                    await conn.execute(
-                        sa.insert(t.room_outbox),
-                        [
-                            dict(
-                                event_id=ev.event_id,
-                                app_code="demo",
-                                room_id=ev.room_id,
-                                room_version=1,
-                                event_type=ev.type,
-                                payload=encode_event(ev),
-                                status="pending",
-                                retry_count=0,
-                                targets_done="",
-                                due_at_ms=clock(),
-                                created_at_ms=clock(),
-                                updated_at_ms=clock(),
-                            )
-                            for ev in batch
-                        ],
-                    )
+                await _insert(db, batch, clock())
             elif step[0] == "cycle":
                 await cycle(workers[step[1]])
             elif step[0] == "publish_fails":
@@ -179,102 +188,64 @@ def test_folded_claims_never_double_deliver_or_lose_a_finish(script: list[tuple[
         asyncio.run(_scenario(script, Path(tmp) / "outbox.db"))
 
 
-def test_a_folded_claim_carries_the_next_batch_in_the_finish_transaction() -> None:
-    """Under load a batch costs one write transaction: claim, then finish + claim, ..."""
+def _run(scenario: Callable[[Database], Awaitable[None]]) -> None:
+    """``scenario`` on a new, migrated SQLite database."""
 
-    async def scenario(path: Path) -> None:
+    async def main(path: Path) -> None:
         db = Database.from_url(f"sqlite+aiosqlite:///{path}")
         try:
             await upgrade(db)
-            clock = Clock(T0)
-            repo = SqlOutboxRepository(db)
-            calls: Counter[str] = Counter()
-            for name in ("claim_due", "finish", "finish_and_claim"):
-                method = getattr(repo, name)
-
-                async def counted(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
-                    calls[_name] += 1
-                    return await _method(*args, **kwargs)
-
-                setattr(repo, name, counted)
-            publisher = CountingPublisher("im")
-            worker = OutboxWorker(
-                repository=repo,
-                publishers=PublisherSet({"im": publisher}),
-                policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=3, jitter=0),
-                options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH),
-                clock=clock,
-            )
-            batch = [
-                Event(uuid.uuid4().hex, "demo", f"r{i}", 1, T0, e.RoomMicLeft(user_id="u", seat=1)) for i in range(10)
-            ]
-            async with db.write() as conn:
-                await conn.execute(
-                    sa.insert(t.room_outbox),
-                    [
-                        dict(
-                            event_id=ev.event_id,
-                            app_code="demo",
-                            room_id=ev.room_id,
-                            room_version=1,
-                            event_type=ev.type,
-                            payload=encode_event(ev),
-                            status="pending",
-                            retry_count=0,
-                            targets_done="",
-                            due_at_ms=T0,
-                            created_at_ms=T0,
-                            updated_at_ms=T0,
-                        )
-                        for ev in batch
-                    ],
-                )
-            taken = [await worker.run_once() for _ in range(5)]
-            assert taken == [3, 3, 3, 1, 0]
-            # one claim alone; while a full batch publishes, the next is claimed with the last
-            # batch's finish (the first such claim carries no finish); the fourth, short batch is
-            # finished after its publishes together with the third's, claiming none; the fifth
-            # cycle claimed alone and found nothing
-            assert calls == Counter({"claim_due": 2, "finish_and_claim": 4})
-            assert publisher.successes == Counter({ev.event_id: 1 for ev in batch})
+            await scenario(db)
         finally:
             await db.dispose()
 
     with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(scenario(Path(tmp) / "outbox.db"))
+        asyncio.run(main(Path(tmp) / "outbox.db"))
 
 
-async def _insert(db: Database, events: list[Event], now_ms: int) -> None:
-    async with db.write() as conn:
-        await conn.execute(
-            sa.insert(t.room_outbox),
-            [
-                dict(
-                    event_id=ev.event_id,
-                    app_code="demo",
-                    room_id=ev.room_id,
-                    room_version=1,
-                    event_type=ev.type,
-                    payload=encode_event(ev),
-                    status="pending",
-                    retry_count=0,
-                    targets_done="",
-                    due_at_ms=now_ms,
-                    created_at_ms=now_ms,
-                    updated_at_ms=now_ms,
-                )
-                for ev in events
-            ],
-        )
-
-
-def _events(n: int) -> list[Event]:
-    return [Event(uuid.uuid4().hex, "demo", f"r{i}", 1, T0, e.RoomMicLeft(user_id="u", seat=1)) for i in range(n)]
+def _worker(repository: Any, publisher: CountingPublisher, **options: Any) -> OutboxWorker:
+    return OutboxWorker(
+        repository=repository,
+        publishers=PublisherSet({"im": publisher}),
+        policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH, **options),
+        clock=Clock(T0),
+    )
 
 
 async def _statuses(db: Database) -> dict[str, str]:
     async with db.read() as conn:
         return dict((await conn.execute(sa.select(t.room_outbox.c.event_id, t.room_outbox.c.status))).all())
+
+
+def test_a_folded_claim_carries_the_next_batch_in_the_finish_transaction() -> None:
+    """Under load a batch costs one write transaction: claim, then finish + claim, ..."""
+
+    async def scenario(db: Database) -> None:
+        repo = SqlOutboxRepository(db)
+        calls: Counter[str] = Counter()
+        for name in ("claim_due", "finish", "finish_and_claim"):
+            method = getattr(repo, name)
+
+            async def counted(*args: Any, _method: Any = method, _name: str = name, **kwargs: Any) -> Any:
+                calls[_name] += 1
+                return await _method(*args, **kwargs)
+
+            setattr(repo, name, counted)
+        publisher = CountingPublisher("im")
+        worker = _worker(repo, publisher)
+        batch = _events(10)
+        await _insert(db, batch, T0)
+        taken = [await worker.run_once() for _ in range(5)]
+        assert taken == [3, 3, 3, 1, 0]
+        # one claim alone; while a full batch publishes, the next is claimed with the last
+        # batch's finish (the first such claim carries no finish); the fourth, short batch is
+        # finished after its publishes together with the third's, claiming none; the fifth
+        # cycle claimed alone and found nothing
+        assert calls == Counter({"claim_due": 2, "finish_and_claim": 4})
+        assert publisher.successes == Counter({ev.event_id: 1 for ev in batch})
+
+    _run(scenario)
 
 
 class ClaimWatchingPublisher(CountingPublisher):
@@ -296,56 +267,43 @@ def test_under_a_backlog_the_next_batch_is_claimed_while_this_one_publishes() ->
     """A full batch's publishes and the database overlap: the next batch is claimed (with the last
     batch's finish) while this one publishes; that finish is written by the next claim."""
 
-    async def scenario(path: Path) -> None:
-        db = Database.from_url(f"sqlite+aiosqlite:///{path}")
-        try:
-            await upgrade(db)
-            clock = Clock(T0)
-            repo = SqlOutboxRepository(db)
-            claim_began = asyncio.Event()
-            inner = repo.finish_and_claim
+    async def scenario(db: Database) -> None:
+        repo = SqlOutboxRepository(db)
+        claim_began = asyncio.Event()
+        inner = repo.finish_and_claim
 
-            async def watched(**kwargs: Any) -> Any:
-                claim_began.set()
-                return await inner(**kwargs)
+        async def watched(**kwargs: Any) -> Any:
+            claim_began.set()
+            return await inner(**kwargs)
 
-            repo.finish_and_claim = watched  # type: ignore[method-assign]
-            publisher = ClaimWatchingPublisher("im", claim_began)
-            worker = OutboxWorker(
-                repository=repo,
-                publishers=PublisherSet({"im": publisher}),
-                policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=3, jitter=0),
-                options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH),
-                clock=clock,
-            )
-            events = _events(2 * BATCH + 1)
-            await _insert(db, events, T0)
-            assert await worker.run_once() == BATCH
-            assert publisher.saw_claim == [True] * BATCH  # claimed while the first batch published
-            carried = worker._carried or []
-            assert [r.event_id for r in carried] == [ev.event_id for ev in events[BATCH : 2 * BATCH]]
-            statuses = await _statuses(db)
-            # the first batch's finish is held for the next claim: published, not yet marked
-            assert [statuses[ev.event_id] for ev in events[:BATCH]] == ["delivering"] * BATCH
-            assert statuses[events[-1].event_id] == "pending"
+        repo.finish_and_claim = watched  # type: ignore[method-assign]
+        publisher = ClaimWatchingPublisher("im", claim_began)
+        worker = _worker(repo, publisher)
+        events = _events(2 * BATCH + 1)
+        await _insert(db, events, T0)
+        assert await worker.run_once() == BATCH
+        assert publisher.saw_claim == [True] * BATCH  # claimed while the first batch published
+        carried = worker._carried or []
+        assert [r.event_id for r in carried] == [ev.event_id for ev in events[BATCH : 2 * BATCH]]
+        statuses = await _statuses(db)
+        # the first batch's finish is held for the next claim: published, not yet marked
+        assert [statuses[ev.event_id] for ev in events[:BATCH]] == ["delivering"] * BATCH
+        assert statuses[events[-1].event_id] == "pending"
 
-            claim_began.clear()
-            assert await worker.run_once() == BATCH
-            assert publisher.saw_claim == [True] * (2 * BATCH)
-            statuses = await _statuses(db)
-            assert [statuses[ev.event_id] for ev in events[:BATCH]] == ["delivered"] * BATCH
-            assert statuses[events[-1].event_id] == "delivering"  # claimed ahead, carried
+        claim_began.clear()
+        assert await worker.run_once() == BATCH
+        assert publisher.saw_claim == [True] * (2 * BATCH)
+        statuses = await _statuses(db)
+        assert [statuses[ev.event_id] for ev in events[:BATCH]] == ["delivered"] * BATCH
+        assert statuses[events[-1].event_id] == "delivering"  # claimed ahead, carried
 
-            claim_began.clear()
-            assert await worker.run_once() == 1  # a short batch: no claim ahead, finished after it
-            assert publisher.saw_claim[-1] is False
-            assert await _statuses(db) == dict.fromkeys((ev.event_id for ev in events), "delivered")
-            assert publisher.successes == Counter({ev.event_id: 1 for ev in events})
-        finally:
-            await db.dispose()
+        claim_began.clear()
+        assert await worker.run_once() == 1  # a short batch: no claim ahead, finished after it
+        assert publisher.saw_claim[-1] is False
+        assert await _statuses(db) == dict.fromkeys((ev.event_id for ev in events), "delivered")
+        assert publisher.successes == Counter({ev.event_id: 1 for ev in events})
 
-    with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(scenario(Path(tmp) / "outbox.db"))
+    _run(scenario)
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -354,85 +312,59 @@ def test_a_claim_ahead_that_fails_loses_no_finish_and_delivers_nothing_twice(whe
     publishes — before its COMMIT or after it with the answer lost: the next cycle writes both
     batches' finishes, hands back whatever that transaction may have claimed, and goes on."""
 
-    async def scenario(path: Path) -> None:
-        db = Database.from_url(f"sqlite+aiosqlite:///{path}")
-        try:
-            await upgrade(db)
-            clock = Clock(T0)
-            repo = FailingAroundCommit(SqlOutboxRepository(db))
-            publisher = CountingPublisher("im")
-            worker = OutboxWorker(
-                repository=repo,  # type: ignore[arg-type]
-                publishers=PublisherSet({"im": publisher}),
-                policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=3, jitter=0),
-                options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH),
-                clock=clock,
-            )
-            events = _events(3 * BATCH)
-            await _insert(db, events, T0)
-            assert await worker.run_once() == BATCH  # the second batch claimed ahead
-            repo.fail = when  # the third is claimed (with the first's finish) while the second publishes
-            with pytest.raises(StoreUnavailable):
-                await worker.run_once()
-            assert worker._carried is None
-            statuses = await _statuses(db)
-            first, second, third = events[:BATCH], events[BATCH : 2 * BATCH], events[2 * BATCH :]
-            assert {statuses[ev.event_id] for ev in first} == {"delivered" if when == "after" else "delivering"}
-            assert {statuses[ev.event_id] for ev in second} == {"delivering"}  # published, finish unwritten
-            assert {statuses[ev.event_id] for ev in third} == {"delivering" if when == "after" else "pending"}
-            for _ in range(3):
-                await worker.run_once()
-            assert await _statuses(db) == dict.fromkeys((ev.event_id for ev in events), "delivered")
-            assert publisher.successes == Counter({ev.event_id: 1 for ev in events})  # none twice
-        finally:
-            await db.dispose()
+    async def scenario(db: Database) -> None:
+        repo = FailingAroundCommit(SqlOutboxRepository(db))
+        publisher = CountingPublisher("im")
+        worker = _worker(repo, publisher)
+        events = _events(3 * BATCH)
+        await _insert(db, events, T0)
+        assert await worker.run_once() == BATCH  # the second batch claimed ahead
+        repo.fail = when  # the third is claimed (with the first's finish) while the second publishes
+        with pytest.raises(StoreUnavailable):
+            await worker.run_once()
+        assert worker._carried is None
+        statuses = await _statuses(db)
+        first, second, third = events[:BATCH], events[BATCH : 2 * BATCH], events[2 * BATCH :]
+        assert {statuses[ev.event_id] for ev in first} == {"delivered" if when == "after" else "delivering"}
+        assert {statuses[ev.event_id] for ev in second} == {"delivering"}  # published, finish unwritten
+        assert {statuses[ev.event_id] for ev in third} == {"delivering" if when == "after" else "pending"}
+        for _ in range(3):
+            await worker.run_once()
+        assert await _statuses(db) == dict.fromkeys((ev.event_id for ev in events), "delivered")
+        assert publisher.successes == Counter({ev.event_id: 1 for ev in events})  # none twice
 
-    with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(scenario(Path(tmp) / "outbox.db"))
+    _run(scenario)
 
 
 def test_shutdown_writes_a_held_finish_and_hands_the_rows_claimed_ahead_back() -> None:
     """Stopped mid-backlog, with a batch publishing and the next one claimed ahead: the published
     rows end delivered (the held finish is written), the rest go back to pending, none stays claimed."""
 
-    async def scenario(path: Path) -> None:
-        db = Database.from_url(f"sqlite+aiosqlite:///{path}")
-        try:
-            await upgrade(db)
-            clock = Clock(T0)
-            gate, reached = asyncio.Event(), asyncio.Event()
+    async def scenario(db: Database) -> None:
+        gate, reached = asyncio.Event(), asyncio.Event()
 
-            class GatedPublisher(CountingPublisher):
-                async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
-                    if sum(self.successes.values()) == BATCH + 1:  # in the second batch
-                        reached.set()
-                        await gate.wait()
-                    await super().publish(event, payload=payload, deadline=deadline)
+        class GatedPublisher(CountingPublisher):
+            async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+                if sum(self.successes.values()) == BATCH + 1:  # in the second batch
+                    reached.set()
+                    await gate.wait()
+                await super().publish(event, payload=payload, deadline=deadline)
 
-            publisher = GatedPublisher("im")
-            worker = OutboxWorker(
-                repository=SqlOutboxRepository(db),
-                publishers=PublisherSet({"im": publisher}),
-                policy=RetryPolicy(initial_backoff_ms=1_000, max_backoff_ms=2_000, max_retry_count=3, jitter=0),
-                options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=BATCH, publish_timeout_s=30),
-                clock=clock,
-            )
-            events = _events(4 * BATCH)
-            await _insert(db, events, T0)
-            worker.start()
-            await asyncio.wait_for(reached.wait(), 10)
-            stopping = asyncio.create_task(worker.shutdown(grace_s=10))
-            await asyncio.sleep(0)
-            gate.set()
-            await asyncio.wait_for(stopping, 15)
-            statuses = await _statuses(db)
-            published = set(publisher.successes)
-            assert len(published) == 2 * BATCH  # the second batch ended; nothing claimed ahead was sent
-            assert {statuses[i] for i in published} == {"delivered"}
-            assert {s for i, s in statuses.items() if i not in published} == {"pending"}
-            assert publisher.successes == Counter(dict.fromkeys(published, 1))
-        finally:
-            await db.dispose()
+        publisher = GatedPublisher("im")
+        worker = _worker(SqlOutboxRepository(db), publisher, publish_timeout_s=30)
+        events = _events(4 * BATCH)
+        await _insert(db, events, T0)
+        worker.start()
+        await asyncio.wait_for(reached.wait(), 10)
+        stopping = asyncio.create_task(worker.shutdown(grace_s=10))
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.wait_for(stopping, 15)
+        statuses = await _statuses(db)
+        published = set(publisher.successes)
+        assert len(published) == 2 * BATCH  # the second batch ended; nothing claimed ahead was sent
+        assert {statuses[i] for i in published} == {"delivered"}
+        assert {s for i, s in statuses.items() if i not in published} == {"pending"}
+        assert publisher.successes == Counter(dict.fromkeys(published, 1))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(scenario(Path(tmp) / "outbox.db"))
+    _run(scenario)
