@@ -12,7 +12,7 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -366,5 +366,56 @@ def test_shutdown_writes_a_held_finish_and_hands_the_rows_claimed_ahead_back() -
         assert {statuses[i] for i in published} == {"delivered"}
         assert {s for i, s in statuses.items() if i not in published} == {"pending"}
         assert publisher.successes == Counter(dict.fromkeys(published, 1))
+
+    _run(scenario)
+
+
+def test_a_held_finish_keeps_its_rows_claimed_while_a_short_batch_publishes_slowly() -> None:
+    """A full batch's finish is held for the claim after it; when that claim brings a short batch,
+    the finish is written only after the short batch publishes. Meanwhile the held rows stay this
+    worker's: the lease keeper extends them with the batch in flight, so another worker cannot take
+    (and publish again) rows that were delivered."""
+
+    async def scenario(db: Database) -> None:
+        gate, reached = asyncio.Event(), asyncio.Event()
+
+        class SlowLast(CountingPublisher):
+            async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+                if sum(self.successes.values()) == BATCH:  # the short batch after a full one
+                    reached.set()
+                    await gate.wait()
+                await super().publish(event, payload=payload, deadline=deadline)
+
+        publisher = SlowLast("im")
+        worker = _worker(SqlOutboxRepository(db), publisher, lock_timeout_s=0.3, publish_timeout_s=30)
+        clock = cast(Clock, worker.clock)
+        events = _events(BATCH + 1)
+        await _insert(db, events, T0)
+        assert await worker.run_once() == BATCH  # its finish held, the last row claimed ahead
+        short = asyncio.create_task(worker.run_once())
+        await asyncio.wait_for(reached.wait(), 10)
+        clock.advance(10_000)  # far past the held rows' lease (300 ms)
+        other = SqlOutboxRepository(db)
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # the keeper extends every 0.1 s: wait for it to have run at the new time
+            async with db.read() as conn:
+                until = (
+                    await conn.execute(
+                        sa.select(sa.func.min(t.room_outbox.c.lock_until_ms)).where(
+                            t.room_outbox.c.status == "delivering"
+                        )
+                    )
+                ).scalar_one()
+            if until is not None and until > clock.now_ms:
+                break
+            assert asyncio.get_running_loop().time() < deadline, "the held rows were never extended"
+            await asyncio.sleep(0.02)
+        taken = await other.claim_due(owner="other", now_ms=clock.now_ms, lock_ms=30_000, limit=10)
+        assert taken == []  # nothing of this worker's could be taken over
+        gate.set()
+        assert await short == 1
+        statuses = await _statuses(db)
+        assert statuses == dict.fromkeys((ev.event_id for ev in events), "delivered")
+        assert publisher.successes == Counter({ev.event_id: 1 for ev in events})
 
     _run(scenario)

@@ -449,8 +449,15 @@ class OutboxWorker:
         keeper: list[asyncio.Task[None]] = []
 
         def held() -> list[int]:
+            # this batch's rows; the rows claimed ahead, once claimed; the rows of the batch before,
+            # whose finish is held for this one's (no claim ahead to write it meanwhile)
             ids = [r.id for r in rows]
-            if ahead is not None and ahead.done() and not ahead.cancelled() and ahead.exception() is None:
+            if ahead is None:
+                last = self._unfinished
+                if last is not None:
+                    ids.extend(d.row_id for d in last.delivered)
+                    ids.extend(r.row_id for r in last.retries)
+            elif ahead.done() and not ahead.cancelled() and ahead.exception() is None:
                 ids.extend(r.id for r in self._carried or ())
             return ids
 
