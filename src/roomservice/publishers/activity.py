@@ -92,7 +92,11 @@ class ActivityPublisher:
     async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         call = self._handle_room_event(loop)
-        timeout = max(0.0, deadline - loop.time())
+        timeout = deadline - loop.time()
+        if timeout <= 0:  # gRPC may still send a call whose timeout is 0: it must not go out
+            raise RetryableError(
+                f"activity HandleRoomEvent {event.type} {event.event_id}: the deadline passed before sending"
+            )
         try:
             await call(payload, timeout=timeout, metadata=tracing.grpc_metadata() or None)
         except grpc.aio.AioRpcError as exc:
