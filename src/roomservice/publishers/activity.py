@@ -95,7 +95,7 @@ class ActivityPublisher:
         timeout = deadline - loop.time()
         if timeout <= 0:  # gRPC may still send a call whose timeout is 0: it must not go out
             raise RetryableError(
-                f"activity HandleRoomEvent {event.type} {event.event_id}: the deadline passed before sending"
+                f"activity HandleRoomEvent {event.type} {event.event_id}: DEADLINE_EXCEEDED: passed before sending"
             )
         try:
             await call(payload, timeout=timeout, metadata=tracing.grpc_metadata() or None)
