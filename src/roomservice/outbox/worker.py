@@ -12,12 +12,15 @@ batch before and claims the batch after, so publishing and the database overlap
 (a round trip to MySQL/MariaDB is most of a cycle). A batch's finish is then held
 until the next batch is in hand and rides with the claim after it; a short batch, a
 stop or a failure writes what is held as before. Rows are claimed at most one batch
-ahead, under this worker's lease (the keeper extends them too); per-room order is
-kept within the worker, as the next batch publishes only after this one ended. A short batch's finish is written
-as soon as its rows are published: ``finish_linger_s`` (0 by default) can make it wait for
-the next commit's wake-up so that the finish also carries that claim, at the price of
-holding every short batch's "delivered" back by up to that long (issue 12: at 200 events/s
-a 10 ms linger was most of commit -> finish committed).
+ahead, under this worker's lease (the keeper extends them, and the rows of a held
+finish, too); per-room order is kept within the worker, as the next batch publishes
+only after this one ended.
+
+A short batch's finish is written as soon as its rows are published: ``finish_linger_s``
+(0 by default) can make it wait for the next commit's wake-up so that the finish also
+carries that claim, at the price of holding every short batch's "delivered" back by up
+to that long (issue 12: at 200 events/s a 10 ms linger was most of commit -> finish
+committed).
 
 A room's rows are published in version order, each after the one before it ended —
 except in rooms whose every row has one target and that target's publisher pipelines
@@ -226,7 +229,7 @@ class OutboxWorker:
         self.claims_extended = 0
         self._last_beat = time.monotonic()
         self._failing: str | None = None  # why the last cycle failed; None when it did not
-        self._unfinished: _Finish | None = None  # a finish whose write failed: retried first
+        self._unfinished: _Finish | None = None  # decisions not written yet: held for the next claim, or failed
         self._may_hold_claims = False  # a cycle failed after a claim may have committed
         self._routes: dict[tuple[str, frozenset[str]], _Route] = {}  # by (event type, targets done)
         self._bounds = Bounds()  # the publish attempts' publish_timeout: one timer for those in flight

@@ -152,6 +152,9 @@ _CHECKPOINT_FRAMES: Final = 1000
 # are measured (one commit of a 200-row outbox batch fills tens of pages, a command's a few).
 _CHECKPOINT_FIRST_AFTER: Final = 500
 _CHECKPOINT_MAX_AFTER: Final = 1_000_000
+# While a checkpoint's first pass copies without the write lock, inline writers that have changed
+# this share of a checkpoint's rows meanwhile wait for it (the WAL stays bounded).
+_CHECKPOINT_OUTRUN_SHARE: Final = 4
 # Prepared statements a MySQL/MariaDB connection keeps (asyncmy's LRU): the hot statements of the
 # store, the outbox and the brokers, with room to spare; the server's max_prepared_stmt_count
 # (16,382) covers a pool of 40 at this size many times over.
@@ -438,7 +441,10 @@ class Database:
                     else:
                         if self._checkpointing is None:
                             self._checkpoint_if_due(inline_units)
-                        elif inline_units.changes_since_checkpoint >= inline_units.checkpoint_after // 4:
+                        elif (
+                            inline_units.changes_since_checkpoint
+                            >= inline_units.checkpoint_after // _CHECKPOINT_OUTRUN_SHARE
+                        ):
                             await self._wait_for_checkpoint_copy(deadline)
                         return result
                 took: list[float] = []
@@ -520,7 +526,7 @@ class Database:
         :data:`_CHECKPOINT_FRAMES` pages of WAL (estimated from the rows they changed), start one on
         a thread, as SQLite's auto-checkpoint runs inside the commit that crosses the threshold (the
         writer that crossed it is answered at once)."""
-        if inline.changes_since_checkpoint < inline.checkpoint_after or self._checkpointing is not None:
+        if inline.changes_since_checkpoint < inline.checkpoint_after:  # (none is running: the caller checks)
             return
         changes, inline.changes_since_checkpoint = inline.changes_since_checkpoint, 0
         task = asyncio.get_running_loop().create_task(self._checkpoint(inline, changes), name="database-checkpoint")
@@ -528,7 +534,7 @@ class Database:
         self._checkpointing = task
 
     async def _wait_for_checkpoint_copy(self, deadline: float) -> None:
-        """With the write lock held: the WAL has grown by a quarter of a checkpoint's worth while the running
+        """With the write lock held: the WAL has grown by a share of a checkpoint's worth while the running
         checkpoint's first pass copies (writes faster than it copies): this writer holds the lock, and
         every writer behind it waits, until that pass is done (or the unit's deadline), so the WAL
         stays bounded. At moderate rates a checkpoint's copy ends long before that."""
