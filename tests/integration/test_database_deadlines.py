@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,12 +38,6 @@ T = TypeVar("T")
 D = 0.5  # the database deadline these tests configure, in seconds
 SLACK = 1.0  # scheduling noise on a shared machine
 BASE = "/v1/apps/demo/rooms"
-
-
-@pytest.fixture
-def proxy(mariadb_server_url: sa.URL) -> Iterator[TcpProxy]:
-    with TcpProxy(mariadb_server_url.host or "127.0.0.1", mariadb_server_url.port or 3306) as running:
-        yield running
 
 
 def through(proxy: TcpProxy, url: str) -> str:

@@ -1,8 +1,11 @@
 """``SqlOutboxRepository``: the :class:`OutboxRepository` port on SQLite and MySQL/MariaDB.
 
-Every operation is one short write transaction run as a single synchronous
-unit through :meth:`Database.run_write` (one thread hop on SQLite); statements
-are built once, at import.
+Every operation is one short write transaction run as one unit: through
+:meth:`Database.run_write` (a synchronous unit; inline on the event loop's thread
+on SQLite), or, for the worker's claim and finish on MySQL/MariaDB, through
+:meth:`Database.run_driver_write` (an async unit whose statements go to the
+driver's cursor without SQLAlchemy's execution per statement); statements are
+built once, at import.
 
 Claiming (SPEC §4, §10). ``due_at_ms`` is the claim key of every claimable
 status, indexed with ``status``: ``retryable`` -> ``next_retry_at_ms``,
@@ -56,6 +59,7 @@ from sqlalchemy import (
 from roomservice.outbox.model import ClaimedRow, Status, parse_targets
 from roomservice.outbox.repository import Delivered, RetryDecision
 from roomservice.store.database import Database
+from roomservice.store.driver import DriverCursor
 from roomservice.store.tables import room_outbox
 
 LAST_ERROR_MAX_CHARS: Final = 2000
@@ -262,7 +266,10 @@ class SqlOutboxRepository:
         self, *, owner: str, now_ms: int, lock_ms: int, limit: int, pending_only: bool = False
     ) -> list[ClaimedRow]:
         params = _claim_params(owner=owner, now_ms=now_ms, lock_ms=lock_ms, limit=limit)
-        rows = await self.db.run_write(self._claim_unit, params, pending_only)
+        if self.db.is_sqlite:
+            rows: Sequence[Any] = await self.db.run_write(_claim_sqlite, params)
+        else:
+            rows = await self.db.run_driver_write(_claim_mysql, params, pending_only)
         return _claimed_rows(rows, owner=owner, until=params["b_until"])
 
     async def finish_and_claim(
@@ -278,22 +285,23 @@ class SqlOutboxRepository:
     ) -> tuple[int, list[ClaimedRow]]:
         params = _claim_params(owner=owner, now_ms=now_ms, lock_ms=lock_ms, limit=limit)
         delivered_params, retry_params = _finish_params(owner, now_ms, delivered, retries)
-        changed, rows = await self.db.run_write(
-            _finish_then_claim, self._claim_unit, delivered_params, retry_params, params, pending_only
-        )
+        changed: int
+        rows: Sequence[Any]
+        if self.db.is_sqlite:
+            changed, rows = await self.db.run_write(_finish_then_claim_sqlite, delivered_params, retry_params, params)
+        else:
+            changed, rows = await self.db.run_driver_write(
+                _finish_then_claim_mysql, delivered_params, retry_params, params, pending_only
+            )
         return changed, _claimed_rows(rows, owner=owner, until=params["b_until"])
-
-    @property
-    def _claim_unit(self) -> Any:
-        # SQLite: one statement claims every kind anyway; MySQL: a wake-up cycle saves the
-        # two SELECTs for retryable and expired rows
-        return _claim_sqlite if self.db.is_sqlite else _claim_mysql
 
     async def finish(self, *, owner: str, now_ms: int, delivered: list[Delivered], retries: list[RetryDecision]) -> int:
         if not delivered and not retries:
             return 0
         delivered_params, retry_params = _finish_params(owner, now_ms, delivered, retries)
-        return await self.db.run_write(_finish, delivered_params, retry_params)
+        if self.db.is_sqlite:
+            return await self.db.run_write(_finish_sqlite, delivered_params, retry_params)
+        return await self.db.run_driver_write(_finish_mysql, delivered_params, retry_params)
 
     async def extend(self, *, owner: str, row_ids: list[int], now_ms: int, lock_ms: int) -> int:
         if not row_ids:
@@ -414,47 +422,67 @@ def _finish_params(
 
 
 # --------------------------------------------------------------------------- transaction units
-# Plain synchronous functions of a Connection, run by Database.run_write.
+# MySQL/MariaDB: the worker's claim and finish are async units of the driver's cursor, run by
+# Database.run_driver_write (roomservice.store.driver); the rest are plain synchronous functions
+# of a Connection, run by Database.run_write.
 
 
-def _claim_mysql(conn: Connection, params: dict[str, Any], pending_only: bool = False) -> list[Row[Any]]:
+async def _claim_mysql(cur: DriverCursor, params: dict[str, Any], pending_only: bool) -> list[tuple[Any, ...]]:
     limit: int = params["b_limit"]
-    rows: list[Row[Any]] = []
+    rows: list[tuple[Any, ...]] = []
+    # a wake-up cycle saves the two SELECTs for retryable and expired rows
     steps = _MYSQL_CLAIM_STEPS[:1] if pending_only else _MYSQL_CLAIM_STEPS
     for statement, status in steps:
         missing = limit - len(rows)
         if missing <= 0:
             break
-        rows.extend(conn.execute(statement, {"b_status": status, "b_now": params["b_now"], "b_limit": missing}))
+        rows.extend(await cur.rows(statement, {"b_status": status, "b_now": params["b_now"], "b_limit": missing}))
     if rows:
-        conn.execute(_MYSQL_MARK_CLAIMED, {**params, "b_ids": [r.id for r in rows]})
+        await cur.execute(_MYSQL_MARK_CLAIMED, {**params, "b_ids": [r[0] for r in rows]})
     return rows
 
 
-def _claim_sqlite(conn: Connection, params: dict[str, Any], _pending_only: bool = False) -> Sequence[Row[Any]]:
-    return conn.execute(SQLITE_CLAIM, params).all()
+async def _finish_mysql(cur: DriverCursor, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:
+    changed = 0
+    for params in delivered:
+        changed += await cur.execute(_FINISH_DELIVERED, params)
+    if retries:
+        changed += await cur.executemany(_FINISH_RETRY, retries)
+    return changed
 
 
-def _finish_then_claim(
-    conn: Connection,
-    claim: Any,
+async def _finish_then_claim_mysql(
+    cur: DriverCursor,
     delivered: list[dict[str, Any]],
     retries: list[dict[str, Any]],
     params: dict[str, Any],
     pending_only: bool,
-) -> tuple[int, Sequence[Row[Any]]]:
-    changed = _finish(conn, delivered, retries)
-    return changed, claim(conn, params, pending_only)
+) -> tuple[int, list[tuple[Any, ...]]]:
+    changed = await _finish_mysql(cur, delivered, retries)
+    return changed, await _claim_mysql(cur, params, pending_only)
 
 
-def _finish(conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:
+# SQLite: one statement claims every kind; each unit runs inline on the loop's thread (Database.run_write).
+
+
+def _claim_sqlite(conn: Connection, params: dict[str, Any]) -> Sequence[Row[Any]]:
+    return conn.execute(SQLITE_CLAIM, params).all()
+
+
+def _finish_sqlite(conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:
     changed = 0
     for params in delivered:
         changed += conn.execute(_FINISH_DELIVERED, params).rowcount
     if retries:
-        # executemany: the driver sums the rowcounts (matched rows on MySQL: CLIENT_FOUND_ROWS).
+        # executemany: the driver sums the rowcounts
         changed += conn.execute(_FINISH_RETRY, retries).rowcount
     return changed
+
+
+def _finish_then_claim_sqlite(
+    conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]], params: dict[str, Any]
+) -> tuple[int, Sequence[Row[Any]]]:
+    return _finish_sqlite(conn, delivered, retries), _claim_sqlite(conn, params)
 
 
 def _rowcount(conn: Connection, statement: Any, params: dict[str, Any]) -> int:

@@ -76,7 +76,7 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -96,6 +96,7 @@ from sqlalchemy.sql.dml import Insert
 
 from roomservice.futures import Deadlines
 from roomservice.observability.logging import get_logger
+from roomservice.store.driver import DriverCursor, DriverSql
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 DialectName = Literal["sqlite", "mysql"]
@@ -205,6 +206,7 @@ class Database:
         self._checkpointing: asyncio.Task[None] | None = None
         self._checkpoint_copied = asyncio.Event()  # the running checkpoint's first pass is done
         self.unit_counts = UnitCounts()
+        self._driver_sql: dict[int, DriverSql] = {}  # run_driver_write's statements, compiled once
         if self.dialect_name == "sqlite":
             _take_over_sqlite_transactions(engine.sync_engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
             self._write_engine = engine.execution_options(**_BEGIN_WRITE)
@@ -396,6 +398,19 @@ class Database:
         On SQLite it runs inline, on the event loop's thread, when that cannot stall the loop, and
         on a worker thread otherwise (see :class:`_InlineUnits`); the outcome is the same."""
         return await self._run_write(fn, args, kwargs, inline=True)
+
+    async def run_driver_write(
+        self, fn: Callable[Concatenate[DriverCursor, P], Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """MySQL/MariaDB: ``await fn(cursor, *args, **kwargs)`` in one write transaction, as :meth:`run_write`
+        runs a unit, its statements on the driver's own cursor (:mod:`roomservice.store.driver`)."""
+        if self.is_sqlite:
+            raise TypeError("driver units are for MySQL/MariaDB; SQLite units run with run_write")
+        async with self.write() as conn:
+            # a buffered cursor keeps nothing on the server: not closed, so that a unit cancelled
+            # mid-statement does no I/O on the way out (the block discards the connection)
+            cursor = _driver(conn).cursor()
+            return await fn(DriverCursor(conn, cursor, self._driver_sql), *args, **kwargs)
 
     async def run_long_write(
         self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs

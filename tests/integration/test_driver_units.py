@@ -1,0 +1,187 @@
+"""``Database.run_driver_write`` on the real MariaDB: statements on the driver's own cursor, with
+the transaction discipline, errors and lost connections of ``run_write`` (store/driver.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import sqlalchemy as sa
+from sqlalchemy.dialects.mysql import asyncmy
+from sqlalchemy.exc import IntegrityError
+from tests.integration.test_database_deadlines import SLACK, D, session_id, through
+from tests.tcp_proxy import TcpProxy
+
+from roomservice.store.database import Database
+from roomservice.store.driver import DriverCursor, DriverSql
+from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
+
+_t = sa.table("driver_rows", sa.column("id"), sa.column("n"), sa.column("tag"))
+SET_N = sa.update(_t).where(_t.c.id.in_(sa.bindparam("ids", expanding=True))).values(n=sa.bindparam("n"), tag="set")
+BUMP = sa.update(_t).where(_t.c.id == sa.bindparam("id")).values(n=_t.c.n + 1)
+INSERT = sa.insert(_t).values(id=sa.bindparam("id"), n=sa.bindparam("n"), tag="new")
+ROWS = sa.select(_t.c.id, _t.c.n, _t.c.tag).where(_t.c.id >= sa.bindparam("from_id")).order_by(_t.c.id)
+SESSION = sa.text("SELECT CONNECTION_ID()")
+
+
+# --------------------------------------------------------------------------- rendering (no database)
+
+
+def test_a_statement_renders_its_own_values_and_splices_the_expanding_list() -> None:
+    sql = DriverSql(asyncmy.dialect(), SET_N)
+    text, args = sql.render({"ids": [3, 4, 5], "n": 7})
+    assert text.endswith("WHERE driver_rows.id IN (%s, %s, %s)")
+    assert args == (7, "set", 3, 4, 5)  # "set": bound in the construct itself
+    assert sql.render({"ids": [9], "n": 1}) == (text.replace("(%s, %s, %s)", "(%s)"), (1, "set", 9))
+    with pytest.raises(ValueError, match="empty IN"):
+        sql.render({"ids": [], "n": 1})
+    with pytest.raises(KeyError):
+        sql.render({"ids": [1]})  # a missing parameter is never sent as NULL
+
+
+def test_a_statement_needs_the_format_paramstyle() -> None:
+    with pytest.raises(ValueError, match="paramstyle"):
+        DriverSql(sa.create_engine("sqlite://").dialect, SET_N)
+
+
+# --------------------------------------------------------------------------- on MariaDB
+
+
+@pytest_asyncio.fixture
+async def db(mariadb_url: str) -> AsyncIterator[Database]:
+    database = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=5.0)
+    async with database.write() as conn:
+        await conn.execute(sa.text("CREATE TABLE IF NOT EXISTS driver_rows (id INT PRIMARY KEY, n INT, tag TEXT)"))
+        await conn.execute(sa.text("DELETE FROM driver_rows"))
+        await conn.execute(sa.text("INSERT INTO driver_rows VALUES (1, 0, 'a'), (2, 0, 'b'), (3, 0, 'c')"))
+    try:
+        yield database
+    finally:
+        async with database.write() as conn:
+            await conn.execute(sa.text("DROP TABLE IF EXISTS driver_rows"))
+        await database.dispose()
+
+
+async def rows(db: Database) -> list[tuple[Any, ...]]:
+    async with db.read() as conn:
+        return [tuple(r) for r in await conn.execute(sa.text("SELECT id, n, tag FROM driver_rows ORDER BY id"))]
+
+
+async def test_a_unit_commits_its_statements_together_and_counts_matched_rows(db: Database) -> None:
+    async def unit(cur: DriverCursor) -> tuple[int, int, Any]:
+        changed = await cur.execute(SET_N, {"ids": [1, 2, 99], "n": 5})
+        bumped = await cur.executemany(BUMP, [{"id": 1}, {"id": 3}, {"id": 98}])
+        return changed, bumped, await cur.rows(ROWS, {"from_id": 2})
+
+    changed, bumped, seen = await db.run_driver_write(unit)
+    assert (changed, bumped) == (2, 2)  # rows matched; the missing ids count nothing
+    assert list(seen) == [(2, 5, "set"), (3, 1, "c")]  # the driver's tuples, inside the transaction
+    assert await rows(db) == [(1, 6, "set"), (2, 5, "set"), (3, 1, "c")]
+
+
+async def test_a_unit_that_raises_leaves_nothing_behind(db: Database) -> None:
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        raise RuntimeError("the unit changed its mind")
+
+    with pytest.raises(RuntimeError):
+        await db.run_driver_write(unit)
+    assert await rows(db) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
+
+
+async def test_a_server_error_is_sqlalchemys_and_the_connection_stays_pooled(db: Database) -> None:
+    before = await session_id(db)
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        await cur.execute(INSERT, {"id": 2, "n": 1})  # duplicate key
+
+    with pytest.raises(IntegrityError) as failure:
+        await db.run_driver_write(unit)
+    assert failure.value.orig is not None and failure.value.orig.args[0] == 1062  # the server's code kept
+    assert not failure.value.connection_invalidated
+    assert await rows(db) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]  # rolled back whole
+    assert await session_id(db) == before  # the same session, pooled again
+
+
+async def test_a_session_killed_mid_unit_is_unavailable_and_never_pooled_again(db: Database, mariadb_url: str) -> None:
+    killer = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=5.0)
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        (session,) = (await cur.rows(SESSION, {}))[0]
+        async with killer.write() as conn:
+            await conn.execute(sa.text(f"KILL CONNECTION {int(session)}"))
+        await cur.execute(SET_N, {"ids": [2], "n": 9})  # on a connection the server closed
+
+    try:
+        with pytest.raises(StoreUnavailable) as failure:
+            await db.run_driver_write(unit)
+        lost = failure.value.__cause__
+        assert isinstance(lost, sa.exc.DBAPIError)
+        # the statement's own failure, the connection invalidated at once (no rollback tried on it)
+        assert lost.statement is not None and lost.statement.startswith("UPDATE driver_rows")
+        assert lost.connection_invalidated
+        assert db.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert await rows(db) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]  # a fresh session answers
+    finally:
+        await killer.dispose()
+
+
+async def test_statements_are_announced_to_sqlalchemys_listeners(db: Database) -> None:
+    seen: list[tuple[str, Any, bool]] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any, many: bool) -> None:
+        seen.append((statement, params, many))
+
+    sa.event.listen(db.engine.sync_engine, "before_cursor_execute", listen)
+    try:
+        await db.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1, 2], "n": 3}))
+    finally:
+        sa.event.remove(db.engine.sync_engine, "before_cursor_execute", listen)
+    assert [(s.split(" WHERE")[0], p, m) for s, p, m in seen] == [
+        ("UPDATE driver_rows SET n=%s, tag=%s", (3, "set", 1, 2), False)
+    ]
+
+
+def test_sqlite_units_are_refused(tmp_path: Any) -> None:
+    import asyncio
+
+    async def go() -> None:
+        database = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/x.db")
+        try:
+            with pytest.raises(TypeError, match="MySQL"):
+                await database.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1], "n": 1}))
+        finally:
+            await database.dispose()
+
+    asyncio.run(go())
+
+
+# --------------------------------------------------------------------------- a hung database
+
+
+async def test_a_unit_during_a_blackhole_fails_by_its_deadline_and_its_connection_is_discarded(
+    proxy: TcpProxy, mariadb_url: str
+) -> None:
+    hung = Database.from_url(through(proxy, mariadb_url), pool_size=1, max_overflow=0, timeout_s=D)
+
+    async def unit(cur: DriverCursor) -> Any:
+        proxy.blackhole()
+        return await cur.rows(SESSION, {})  # never answered
+
+    try:
+        before = await session_id(hung)
+        started = time.monotonic()
+        with pytest.raises(StoreDeadlineExceeded):
+            await hung.run_driver_write(unit)
+        assert D * 0.9 <= time.monotonic() - started <= D + SLACK
+        assert hung.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        proxy.forward()
+        assert await session_id(hung) != before  # the hung session was never reused
+    finally:
+        proxy.forward()
+        await hung.dispose()
