@@ -12,7 +12,11 @@ figure:
     outbox worker off, >= 0.25 for the embedded default); beside it the server
     process's own CPU time per request (all threads, from /proc), and the same
     ratio in CPU (healthz's CPU per request / the command's), which a loaded
-    machine disturbs far less than rates.
+    machine disturbs far less than rates;
+  * the phases are cut into slices (``--slices``, 4 by default) taken in turn,
+    healthz, join, gift, healthz, join, gift, ...: the machine is shared, its
+    speed drifts over a run, and a floor measured in one stretch and the commands
+    in the next would carry that drift into the ratio.
 
 Servers:
   * ``worker-off``: SQLite, the outbox worker off, logging at info (one
@@ -28,7 +32,7 @@ runs on behind the commands (the figure is the command rate the server sustains
 while its in-process parts keep up or fall behind; the server's stderr shows any error).
 
     .venv/bin/python -m bench.http_commands [--servers worker-off,embedded] [--commands N] [--rounds R]
-        [--concurrency C] [--profile DIR]   # --profile: py-spy record of the server during each run
+        [--concurrency C] [--slices S] [--profile DIR]   # --profile: py-spy record of each phase (one slice)
 """
 
 from __future__ import annotations
@@ -141,26 +145,47 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(port: int, *, commands: int, concurrency: int, tag: str,
+async def measure(port: int, *, commands: int, concurrency: int, tag: str, slices: int = 1,
                   on_phase: Callable[[str], None] = lambda _: None,
                   pid: int | None = None) -> dict[str, dict[str, Any]]:
+    """The three phases, each cut into ``slices`` taken in turn (healthz, join, gift, healthz, join,
+    gift, ...): a machine whose speed drifts (other tenants) meets every phase alike. Each slice of
+    gifts is sent by the users the slice of joins before it let in. Rates, latencies and CPU are
+    summed over a phase's slices."""
     clients = [await KeepAliveClient.connect(port) for _ in range(concurrency)]
     try:
         for r in range(ROOMS):
             body = {"command_id": f"{tag}c{r}", "room_id": f"{tag}h{r}", "owner_id": "o", "title": "t"}
             status, answer = await clients[0].post(f"/v1/apps/{APP}/rooms", body)
             assert status == 200, answer
-        out = {}
         await drive(clients, healthz(concurrency * 20))  # warm-up: every connection accepted and used
-        for phase, requests in (("healthz", healthz(max(commands, 3_000))), ("join", joins(commands, tag)),
-                                ("gift", gifts(commands, tag))):
-            on_phase(phase)
-            cpu = cpu_seconds(pid) if pid else 0.0
-            out[phase] = await drive(clients, requests)
-            # the server's own CPU per request: much steadier than rates on a shared machine
-            out[phase]["cpu_us"] = (cpu_seconds(pid) - cpu) / len(requests) * 1e6 if pid else 0.0
+        phases = {"healthz": healthz(max(commands, 3_000)), "join": joins(commands, tag), "gift": gifts(commands, tag)}
+        totals: dict[str, dict[str, Any]] = {
+            phase: {"seconds": 0.0, "latencies": [], "failures": [], "cpu_s": 0.0, "n": 0} for phase in phases
+        }
+        for part in range(slices):
+            for phase, requests in phases.items():
+                share = requests[len(requests) * part // slices : len(requests) * (part + 1) // slices]
+                on_phase(phase)
+                cpu = cpu_seconds(pid) if pid else 0.0
+                done = await drive(clients, share)
+                total = totals[phase]
+                total["seconds"] += len(share) / done["rate"]
+                total["latencies"] += done["latencies"]
+                total["failures"] += done["failures"][: 5 - len(total["failures"])]
+                # the server's own CPU per request: much steadier than rates on a shared machine
+                total["cpu_s"] += cpu_seconds(pid) - cpu if pid else 0.0
+                total["n"] += len(share)
         on_phase("done")
-        return out
+        return {
+            phase: {
+                "rate": t["n"] / t["seconds"],
+                "latencies": t["latencies"],
+                "failures": t["failures"],
+                "cpu_us": t["cpu_s"] / t["n"] * 1e6,
+            }
+            for phase, t in totals.items()
+        }
     finally:
         for client in clients:
             client.close()
@@ -208,13 +233,14 @@ class Profiler:
                                      stderr=subprocess.DEVNULL)
 
 
-def run_server(kind: str, *, commands: int, concurrency: int, round_: int, profile: Path | None) -> dict[str, Any]:
+def run_server(kind: str, *, commands: int, concurrency: int, round_: int, profile: Path | None,
+               slices: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="roombench-http-") as tmp:
         server = start_server(kind, Path(tmp))
         try:
             assert server.proc is not None
             profiler = Profiler(server.proc.pid, profile, f"{kind}-r{round_}")
-            return asyncio.run(measure(server.port, commands=commands, concurrency=concurrency,
+            return asyncio.run(measure(server.port, commands=commands, concurrency=concurrency, slices=slices,
                                        tag=f"r{round_}", on_phase=profiler.phase, pid=server.proc.pid))
         finally:
             server.stop()
@@ -244,16 +270,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--profile", type=Path, default=None, help="directory for py-spy speedscope profiles")
+    parser.add_argument("--slices", type=int, default=4,
+                        help="each phase in this many slices, taken in turn with the others' (1 with --profile)")
     args = parser.parse_args()
+    if args.slices < 1:
+        parser.error("--slices must be at least 1")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
-    print(f"HTTP benchmark: {args.commands} commands per phase, concurrency {args.concurrency}, {ROOMS} rooms; "
+        args.slices = 1  # one profile a phase: the profiler writes a file per phase it is told of
+    print(f"HTTP benchmark: {args.commands} commands per phase in {args.slices} slices taken in turn, "
+          f"concurrency {args.concurrency}, {ROOMS} rooms; "
           f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}",
           flush=True)
     for round_ in range(1, args.rounds + 1):
         for kind in args.servers.split(","):
             figures = run_server(kind, commands=args.commands, concurrency=args.concurrency, round_=round_,
-                                 profile=args.profile)
+                                 profile=args.profile, slices=args.slices)
             report(kind, round_, figures, 0.5 if kind == "worker-off" else 0.25)
 
 
