@@ -73,6 +73,7 @@ import asyncio
 import contextlib
 import functools
 import math
+import operator
 import sqlite3
 import threading
 import time
@@ -1141,23 +1142,35 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:")
 
 
-# Statements run once per mutation, rendered once per dialect (see execute_rendered).
-_RENDERED: dict[tuple[str, str, int, tuple[str, ...] | None], tuple[str, tuple[str, ...]]] = {}
+# Statements run once per mutation, rendered once per dialect (see execute_rendered): the SQL, and
+# what takes a parameter dict to the positional tuple (itemgetter: no generator step per value).
+_Rendered = tuple[str, Callable[[dict[str, Any]], tuple[Any, ...]]]
+_RENDERED: dict[tuple[str, str, int, tuple[str, ...] | None], _Rendered] = {}
 
 
-def _rendered(conn: Connection, statement: Any, column_keys: tuple[str, ...] | None) -> tuple[str, tuple[str, ...]]:
-    """``statement``'s SQL for ``conn``'s dialect and the parameter names in their positions."""
+def _rendered(conn: Connection, statement: Any, column_keys: tuple[str, ...] | None) -> _Rendered:
+    """``statement``'s SQL for ``conn``'s dialect and its parameters in their positions."""
     return _rendered_for(conn.dialect, statement, column_keys)
 
 
-def _rendered_for(dialect: Dialect, statement: Any, column_keys: tuple[str, ...] | None) -> tuple[str, tuple[str, ...]]:
+def _rendered_for(dialect: Dialect, statement: Any, column_keys: tuple[str, ...] | None) -> _Rendered:
     key = (dialect.name, dialect.paramstyle, id(statement), column_keys)
     rendered = _RENDERED.get(key)
     if rendered is None:
         keys = None if column_keys is None else list(column_keys)
         compiled = statement.compile(dialect=dialect, column_keys=keys)
-        rendered = _RENDERED[key] = (compiled.string, tuple(compiled.positiontup or ()))
+        rendered = _RENDERED[key] = (compiled.string, _positional(tuple(compiled.positiontup or ())))
     return rendered
+
+
+def _positional(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """``lambda params: tuple(params[n] for n in names)``, in C where it can be."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)  # a tuple for two names or more
+    if names:
+        (name,) = names
+        return lambda params: (params[name],)
+    return lambda params: ()
 
 
 def execute_rendered(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:
@@ -1166,8 +1179,8 @@ def execute_rendered(conn: Connection, statement: Any, params: dict[str, Any]) -
     cache lookup and parameter processing (a third of the store's CPU per mutation, measured
     with py-spy), while still going through the connection's events and error handling. Only
     for statements whose parameters need no type processing, with every parameter given."""
-    sql, names = _rendered(conn, statement, None)
-    return conn.exec_driver_sql(sql, tuple(params[name] for name in names))
+    sql, positional = _rendered(conn, statement, None)
+    return conn.exec_driver_sql(sql, positional(params))
 
 
 def insert_rendered(conn: Connection, insert: Insert, rows: list[dict[str, Any]]) -> Any:
@@ -1175,8 +1188,8 @@ def insert_rendered(conn: Connection, insert: Insert, rows: list[dict[str, Any]]
     statement: rendered once per dialect and set of columns (the first row's keys; every row has
     the same), without SQLAlchemy's parameter processing of each row (half the store's own CPU in
     a shared transaction, py-spy). The same conditions: no type processing, every value given."""
-    sql, names = _rendered(conn, insert, tuple(rows[0]))
-    return conn.exec_driver_sql(sql, [tuple(row[name] for name in names) for row in rows])
+    sql, positional = _rendered(conn, insert, tuple(rows[0]))
+    return conn.exec_driver_sql(sql, [positional(row) for row in rows])
 
 
 def insert_or_ignore(table: Table) -> Insert:
