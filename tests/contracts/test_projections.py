@@ -233,6 +233,20 @@ class ProjectionsContract:
         await a.close()
         assert await projections.room_of(APP, "bob") == "b"
 
+    async def test_a_change_that_keeps_the_members_leaves_presence_and_updates_the_entry(
+        self, projections: Projections
+    ) -> None:
+        a, b = self.room(projections, "a"), self.room(projections, "b")
+        await a.create()
+        await b.create()
+        await a.join("bob")
+        await b.join("bob")  # bob is in b now, and still a member of a
+        gifted = await a.gift(3)  # a's members unchanged: nobody's presence moves
+        assert await projections.room_of(APP, "bob") == "b"
+        assert await projections.room_of(APP, OWNER) == "b"  # the owner of both created b last
+        (entry,) = [e for e in await projections.list_rooms(APP, limit=LIMIT) if e.room_id == "a"]
+        assert (entry.heat, entry.version) == (gifted.heat, gifted.version) and entry.heat > 0
+
     async def test_presence_is_per_app(self, projections: Projections) -> None:
         here, there = self.room(projections, "r1"), self.room(projections, "r9", OTHER_APP)
         await here.create()

@@ -7,7 +7,9 @@ Redis adapter implements the same port for scale-out.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 from roomservice.domain.state import CLOSED, RoomState
@@ -67,6 +69,9 @@ class Projections(Protocol):
         ...
 
 
+_NOBODY: Mapping[str, int] = MappingProxyType({})
+
+
 class InProcessProjections:
     def __init__(self) -> None:
         self._rooms: dict[str, dict[str, RoomListEntry]] = {}
@@ -79,12 +84,15 @@ class InProcessProjections:
             rooms.pop(after.room_id, None)
         else:
             rooms[after.room_id] = entry
-        old = set(before.members) if before is not None else set()
-        new = set(after.members) if after.status != CLOSED else set()
-        for user in old - new:
+        old = before.members if before is not None else _NOBODY
+        new = after.members if after.status != CLOSED else _NOBODY
+        if old is new:  # the same members (a gift, a mic): nobody came or went
+            return
+        # differences of the key views: no set of every member built per command
+        for user in old.keys() - new.keys():
             if self._presence.get((after.app_code, user)) == after.room_id:
                 del self._presence[(after.app_code, user)]
-        for user in new - old:
+        for user in new.keys() - old.keys():
             self._presence[(after.app_code, user)] = after.room_id
 
     async def seed(self, entries: list[RoomListEntry]) -> None:
