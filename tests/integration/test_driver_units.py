@@ -42,6 +42,12 @@ def test_a_statement_renders_its_own_values_and_splices_the_expanding_list() -> 
         sql.render({"ids": [1]})  # a missing parameter is never sent as NULL
 
 
+def test_a_none_bound_in_the_construct_is_sent_as_none() -> None:
+    clear = sa.update(_t).where(_t.c.id == sa.bindparam("id")).values(tag=None)
+    text, args = DriverSql(asyncmy.dialect(), clear).render({"id": 4})
+    assert text.startswith("UPDATE driver_rows SET tag=%s") and args == (None, 4)
+
+
 def test_a_statement_needs_the_format_paramstyle() -> None:
     with pytest.raises(ValueError, match="paramstyle"):
         DriverSql(sa.create_engine("sqlite://").dialect, SET_N)
@@ -147,18 +153,35 @@ async def test_statements_are_announced_to_sqlalchemys_listeners(db: Database) -
     ]
 
 
-def test_sqlite_units_are_refused(tmp_path: Any) -> None:
-    import asyncio
+async def test_sqlite_units_are_refused(tmp_path: Any) -> None:
+    database = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/x.db")
+    try:
+        with pytest.raises(TypeError, match="MySQL"):
+            await database.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1], "n": 1}))
+    finally:
+        await database.dispose()
 
-    async def go() -> None:
-        database = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/x.db")
-        try:
-            with pytest.raises(TypeError, match="MySQL"):
-                await database.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1], "n": 1}))
-        finally:
-            await database.dispose()
 
-    asyncio.run(go())
+async def test_executemany_refuses_a_statement_whose_text_varies(db: Database) -> None:
+    with pytest.raises(ValueError, match="expanding"):
+        await db.run_driver_write(lambda cur: cur.executemany(SET_N, [{"ids": [1], "n": 1}, {"ids": [2, 3], "n": 2}]))
+    assert await rows(db) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
+
+
+class BrokenCursor:
+    """A cursor whose execute fails with an error of its own (not the driver's)."""
+
+    async def execute(self, text: str, args: Any) -> int:
+        raise RuntimeError("not a database error")
+
+
+async def test_an_error_that_is_not_the_drivers_leaves_as_it_is(db: Database) -> None:
+    async with db.write() as conn:
+        cursor = DriverCursor(conn, BrokenCursor(), {})
+        with pytest.raises(RuntimeError, match="not a database error") as failure:
+            await cursor.execute(SET_N, {"ids": [1], "n": 1})
+    assert failure.value.__cause__ is None  # re-raised as it is: not wrapped, not chained to itself
+    assert not conn.invalidated
 
 
 # --------------------------------------------------------------------------- a hung database

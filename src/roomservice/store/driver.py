@@ -22,14 +22,15 @@ connection invalidated, never pooled again) when the dialect calls it a disconne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 _EXPANDING = "__[POSTCOMPILE_{}]"
+T = TypeVar("T")
 
 
 class DriverSql:
@@ -52,8 +53,13 @@ class DriverSql:
             else (compiled.string,)
         )
         self._names = names
-        # values bound in the construct itself (a status literal, "+ 1"): given once, here
-        self._defaults = {name: value for name, value in compiled.params.items() if value is not None}
+        # values bound in the construct itself (a status literal, "+ 1", a None): given once, here
+        self._defaults = {name: compiled.params[name] for name in names if not compiled.binds[name].required}
+
+    @property
+    def expands(self) -> bool:
+        """Whether the SQL text depends on the parameters (an expanding ``IN``)."""
+        return self._expanding is not None
 
     def render(self, params: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
         """The SQL text and its positional arguments for ``params``."""
@@ -98,42 +104,50 @@ class DriverCursor:
         """Run ``statement``; the rows it matched (``CLIENT_FOUND_ROWS``) or returned."""
         text, args = self._rendered(statement).render(params)
         self._announce(text, args, False)
-        try:
-            return int(await self._cursor.execute(text, args))
-        except Exception as exc:
-            raise await self._translated(exc, text, args) from exc
+        return int(await self._call(text, args, lambda: self._cursor.execute(text, args)))
 
     async def rows(self, statement: Any, params: dict[str, Any]) -> Sequence[tuple[Any, ...]]:
         """Run the query ``statement``; its rows as the driver's tuples."""
         text, args = self._rendered(statement).render(params)
         self._announce(text, args, False)
-        try:
+
+        async def query() -> Sequence[tuple[Any, ...]]:
             await self._cursor.execute(text, args)
             rows: Sequence[tuple[Any, ...]] = await self._cursor.fetchall()
-        except Exception as exc:
-            raise await self._translated(exc, text, args) from exc
-        return rows
+            return rows
+
+        return await self._call(text, args, query)
 
     async def executemany(self, statement: Any, params: Sequence[dict[str, Any]]) -> int:
         """Run ``statement`` once per parameter set (one bulk call where the driver can); the rows matched."""
         sql = self._rendered(statement)
-        rendered = [sql.render(p) for p in params]
-        text = rendered[0][0]
-        self._announce(text, [args for _, args in rendered], True)
-        try:
-            await self._cursor.executemany(text, [args for _, args in rendered])
-        except Exception as exc:
-            raise await self._translated(exc, text, None) from exc
+        if sql.expands:
+            raise ValueError("executemany needs one SQL text: no expanding parameter")
+        text = sql.render(params[0])[0]
+        many = [sql.render(p)[1] for p in params]
+        self._announce(text, many, True)
+        await self._call(text, many, lambda: self._cursor.executemany(text, many))
         return int(self._cursor.rowcount)
 
-    async def _translated(self, exc: Exception, text: str, args: Any) -> Exception:
-        """``exc`` as SQLAlchemy would raise it; a lost connection invalidated first."""
+    async def _call(self, text: str, args: Any, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()``; a driver error raised as SQLAlchemy would raise it (:meth:`_translated`)."""
+        try:
+            return await call()
+        except Exception as exc:
+            translated = await self._translated(exc, text, args)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    async def _translated(self, exc: Exception, text: str, args: Any) -> StatementError | None:
+        """``exc`` as SQLAlchemy would raise it, a lost connection invalidated first; None when it is
+        not the driver's."""
         dialect = self._conn.dialect
         dbapi = dialect.loaded_dbapi
         if isinstance(exc, AttributeError):  # asyncmy's way of saying its transport is gone (as SQLAlchemy reads it)
             exc = dbapi.InternalError("network operation failed due to asyncmy attribute error")
         if not isinstance(exc, dbapi.Error):
-            return exc
+            return None
         lost = bool(dialect.is_disconnect(exc, None, None))
         if lost:
             await self._conn.invalidate(exc)
