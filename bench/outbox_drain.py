@@ -2,7 +2,10 @@
 
 Prints, for SQLite and MariaDB:
   * drain rate (events/s) of 1, 2 and 4 worker processes with an instantly-accepting
-    publisher, beside the bare-driver baseline in the same run: the worker's claim and
+    publisher of each of the two shapes the worker delivers to -- "direct": a publisher taking
+    the decoded event, one row after another per room (the IM and activity publishers); "mq":
+    the broker target's pipelined sends of the claimed row's own fields (the embedded broker,
+    NATS) -- beside the bare-driver baseline in the same run: the worker's claim and
     guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
     loops in the same number of processes; every process starts up first, then all start
     draining at one instant (SIGUSR1), and the time runs from that instant to the last
@@ -122,12 +125,15 @@ def owner_name(kind: str, i: int) -> str:
     return f"worker-{kind}{i:011d}"
 
 
-async def worker_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:
+SHAPES = {"direct": [], "mq": ["--pipelined"]}  # the publisher's shape: worker_proc's arguments
+
+
+async def worker_drain(backend: str, workers: int, rows: int, shape: str) -> tuple[float, float]:
     async with fresh_database(backend) as url:
         await seed(url, rows)
         procs = [
             _spawn([sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", owner_name("w", i),
-                    "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1"])
+                    "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1", *SHAPES[shape]])
             for i in range(workers)
         ]
         return await timed_drain(url, rows, procs)
@@ -234,11 +240,15 @@ async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: 
               idle_s: float, rooms: int = 50) -> None:
     for backend in backends:
         for workers in workers_list:
-            worker_rate, worker_cpu = await worker_drain(backend, workers, rows)
+            # the two shapes and the baseline taken in turn, the baseline between them
+            direct = await worker_drain(backend, workers, rows, "direct")
             raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
-            print(f"[{backend}] {workers} worker(s): {worker_rate:7.0f} events/s   raw claim+finish: "
-                  f"{raw_rate:7.0f} events/s (bare driver)   ratio {worker_rate / raw_rate:.2f}x (target >= 0.90)   "
-                  f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row", flush=True)
+            mq = await worker_drain(backend, workers, rows, "mq")
+            for shape, (worker_rate, worker_cpu) in (("direct", direct), ("mq", mq)):
+                print(f"[{backend}] {workers} worker(s), {shape:6} publisher: {worker_rate:7.0f} events/s   "
+                      f"raw claim+finish: {raw_rate:7.0f} events/s (bare driver)   ratio "
+                      f"{worker_rate / raw_rate:.2f}x (target >= 0.90)   "
+                      f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row", flush=True)
         lat = await commit_to_delivered(backend, rate=rate, seconds=seconds, rooms=rooms)
         async with fresh_database(backend) as url:
             await seed(url, 200)

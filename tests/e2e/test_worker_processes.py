@@ -69,9 +69,10 @@ async def owners_of_delivering(url: str) -> set[str]:
         await db.dispose()
 
 
-def start_worker(url: str, owner: str, log: Path, *extra: str) -> subprocess.Popen[str]:
+def start_worker(url: str, owner: str, log: Path | None, *extra: str) -> subprocess.Popen[str]:
+    logging = ["--log", str(log)] if log is not None else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", owner, "--log", str(log), *extra],
+        [sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", owner, *logging, *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -133,6 +134,28 @@ async def test_four_workers_drain_twenty_thousand_rows(tmp_path: Path, fresh_mar
     assert len(lines) == total  # nobody lost a lease here, so exactly one delivery per row
     assert_no_claim_delivered_twice(lines)
     assert len({line[1] for line in lines}) == 4  # all four took part
+
+
+async def test_pipelining_workers_drain_every_row(fresh_mariadb_url: str) -> None:
+    """The broker target's shape (the drain benchmark's mq row): acknowledgements 2 ms after each send."""
+    total = 3_000
+    await seed(fresh_mariadb_url, total)
+    workers = [
+        start_worker(fresh_mariadb_url, f"worker-p{i:011d}", None, "--pipelined", "--delay-ms", "2",
+                     "--batch", "200", "--concurrency", "200", "--start-on-sigusr1")
+        for i in range(2)
+    ]
+    for proc in workers:
+        proc.send_signal(signal.SIGUSR1)
+    try:
+        counts = await wait_until_delivered(fresh_mariadb_url, total, timeout_s=120)
+        assert counts == {"delivered": total}
+        assert await owners_of_delivering(fresh_mariadb_url) == set()
+    finally:
+        for proc in workers:
+            proc.send_signal(signal.SIGTERM)
+        for proc in workers:
+            proc.wait(timeout=30)
 
 
 async def _all_event_ids(url: str) -> list[str]:

@@ -2,8 +2,11 @@
 
 Runs the real OutboxWorker (mq mode) against a database with a publisher that
 appends one line per publish to a file: ``event_id owner lock_until_ms published_at_ms``.
+``--pipelined``: the publisher has the broker target's shape instead (the embedded broker's and
+NATS's: rows sent without waiting for each other's acknowledgement, no decoded event), no log.
 
     python -m tests.e2e.worker_proc --url URL --owner NAME --log FILE [--delay-ms N]
+    python -m tests.e2e.worker_proc --url URL --owner NAME --pipelined [--delay-ms N]
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import argparse
 import asyncio
 import signal
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from roomservice.cli.collector import settle_after_start
 from roomservice.domain.events import Event
@@ -39,6 +42,39 @@ class RecordingPublisher:
             await asyncio.sleep(self.delay_s)
 
 
+class PipeliningPublisher(RecordingPublisher):
+    """The shape of the broker target in mq mode (``BrokerPublisher`` on the embedded broker or
+    NATS): a claimed row's own fields, sent without waiting for the acknowledgement, which is a
+    future done ``delay_s`` later."""
+
+    pipelined = True
+
+    async def publish_claimed(
+        self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes, deadline: float
+    ) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+
+    async def send_claimed(
+        self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes
+    ) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        ack: asyncio.Future[Any] = loop.create_future()
+        if self.delay_s:
+            loop.call_later(self.delay_s, _acknowledge, ack, event_id)
+        else:
+            ack.set_result(event_id)
+        return ack
+
+    def failure(self, exc: BaseException) -> BaseException:
+        return exc
+
+
+def _acknowledge(ack: asyncio.Future[Any], message_id: str) -> None:
+    if not ack.done():  # the worker gave up on it (cancelled)
+        ack.set_result(message_id)
+
+
 class RecordingWorker(OutboxWorker):
     """Writes a line when a row's publish succeeded, with the claim it held."""
 
@@ -61,13 +97,17 @@ async def main() -> None:
     parser.add_argument("--lock-s", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--start-on-sigusr1", action="store_true", help="claim nothing before SIGUSR1")
+    parser.add_argument("--pipelined", action="store_true", help="the broker target's pipelining shape (no --log)")
     args = parser.parse_args()
+    if args.pipelined and args.log:  # pipelined rows are not delivered through deliver(), which logs
+        parser.error("--pipelined takes no --log")
+    publisher = (PipeliningPublisher if args.pipelined else RecordingPublisher)(args.delay_ms / 1000)
     db = Database.from_url(args.url, pool_size=4, max_overflow=2)
     # without a log, the worker as `room-service worker` runs it (no recording layer per row)
     worker_class = RecordingWorker if args.log else OutboxWorker
     worker = worker_class(
         repository=SqlOutboxRepository(db),
-        publishers=PublisherSet({BROKER: RecordingPublisher(args.delay_ms / 1000)}),
+        publishers=PublisherSet({BROKER: publisher}),
         policy=RetryPolicy(initial_backoff_ms=100, max_backoff_ms=1_000, max_retry_count=10),
         options=WorkerOptions(
             mode=PublishMode.MQ,
