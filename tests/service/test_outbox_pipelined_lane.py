@@ -5,7 +5,8 @@ dead letter exactly as on the serial path."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from typing import Any, cast
 
 import pytest
 from tests.service.conftest import T0, Clock
@@ -248,3 +249,52 @@ async def test_past_max_room_lane_a_late_batch_leaves_a_rooms_backlog_to_the_nex
     left = [await row(database, ev.event_id) for ev in busy[MAX_ROOM_LANE:]]
     assert [(r.status, r.retry_count) for r in left] == [("delivering", 0)] * 3  # handed back, claimed again
     assert [(await row(database, ev.event_id)).status for ev in busy[:MAX_ROOM_LANE]] == ["delivered"] * MAX_ROOM_LANE
+
+
+class SteppingRepository:
+    """The real repository; ``finish_and_claim`` (the claim ahead, under a backlog) first takes a few
+    turns of the loop, as a transaction's round trips do, noting how many rows had been sent by then."""
+
+    def __init__(self, inner: SqlOutboxRepository, publisher: PipeliningPublisher) -> None:
+        self.inner, self.publisher = inner, publisher
+        self.sent_at_steps: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def finish_and_claim(self, **kwargs: Any) -> tuple[int, list[Any]]:
+        for _ in range(3):
+            self.sent_at_steps.append(len(self.publisher.sent))
+            await asyncio.sleep(0)
+        return await self.inner.finish_and_claim(**kwargs)
+
+
+class SlowSends(PipeliningPublisher):
+    """Each send takes 1 ms of the loop's own time and never suspends (a target that takes rows at once)."""
+
+    async def send_claimed(self, *, event_id: str, **kwargs: Any) -> asyncio.Future[None]:
+        until = time.perf_counter() + 0.001
+        while time.perf_counter() < until:
+            pass
+        return await super().send_claimed(event_id=event_id, **kwargs)
+
+
+async def test_a_pipeline_gives_the_claim_ahead_turns_of_the_loop_while_it_sends(
+    database: Database, clock: Clock
+) -> None:
+    """Sends that never suspend would hold the loop for the whole batch, the claim ahead's database
+    replies waiting behind them; the pipeline gives the loop a turn every half millisecond meanwhile."""
+    events = [make_event(JOINED, room=f"r{n}") for n in range(25)]
+    await insert_rows(database, *events)
+    publisher = SlowSends()
+    w = worker(database, clock, publisher, batch_size=10)
+    stepping = SteppingRepository(cast(SqlOutboxRepository, w.repository), publisher)
+    w.repository = stepping
+    assert await w.run_once() == 10  # a full batch: the next one is claimed ahead while it sends
+    # the claim ahead took its turns while the batch was being sent, not after its last send
+    assert stepping.sent_at_steps[:3] != [10, 10, 10]
+    assert stepping.sent_at_steps[2] < 10
+    while await w.run_once():
+        pass
+    assert sorted(publisher.sent) == sorted(ev.event_id for ev in events)
+    assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 25
