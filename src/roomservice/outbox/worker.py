@@ -29,7 +29,9 @@ the embedded broker: messages queued for shared publish transactions that commit
 queue order). Those rooms share the batch's one pipeline (``_Pipeline``): rows sent
 round robin over the rooms without waiting for each acknowledgement; every row still
 gets its own outcome, retry or dead letter, within its own ``publish_timeout``, exactly
-as one at a time. A room with a row of any other kind is published row after row.
+as one at a time. A room with a row of any other kind is published row after row. While
+the claim ahead is in flight the pipeline gives the loop a turn every ``_TURN_S``: sends
+that never suspend would otherwise hold its database replies until the batch is sent.
 
 No transaction is open while publishing. A commit wakes the worker at once
 (``wake()``); ``poll_interval`` is only the fallback for rows committed by other
