@@ -33,7 +33,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from bench.bare import claim_finish_cycles, open_raw
+from bench.bare import claim_finish_cycles, open_raw, owner_name
 from bench.common import DIRECT_MODE, fresh_database, percentile
 from roomservice.bootstrap import Process
 from roomservice.cli.collector import settle_after_start
@@ -114,15 +114,6 @@ async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]]) -
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
-
-
-def owner_name(kind: str, i: int) -> str:
-    """A claim owner of the shape the worker gives itself (``worker-`` and 12 characters: 19), for the
-    workers and the bare loops alike. The owner is written into a claimed row and cleared by its finish,
-    so its length decides whether InnoDB updates the row in place: with ``w0`` for the workers and
-    ``raw0`` for the bare loops the worker's finish took 8.1-8.9 ms a 200-row batch and the bare loop's
-    3.4 ms; with 19 characters for both, 4.2-5.0 and 3.2 ms."""
-    return f"worker-{kind}{i:011d}"
 
 
 SHAPES = {"direct": [], "mq": ["--pipelined"]}  # the publisher's shape: worker_proc's arguments

@@ -149,8 +149,8 @@ async def test_pipelining_workers_drain_every_row(fresh_mariadb_url: str) -> Non
         proc.send_signal(signal.SIGUSR1)
     try:
         counts = await wait_until_delivered(fresh_mariadb_url, total, timeout_s=120)
+        # every row through the pipeline: one published the serial way would be failed (worker_proc)
         assert counts == {"delivered": total}
-        assert await owners_of_delivering(fresh_mariadb_url) == set()
     finally:
         for proc in workers:
             proc.send_signal(signal.SIGTERM)

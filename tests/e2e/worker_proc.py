@@ -23,7 +23,7 @@ from roomservice.outbox.model import BROKER, ClaimedRow, Outcome, PublishMode
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
-from roomservice.publishers.port import PublisherSet
+from roomservice.publishers.port import PermanentError, PublisherSet
 from roomservice.store.database import Database
 
 
@@ -45,15 +45,16 @@ class RecordingPublisher:
 class PipeliningPublisher(RecordingPublisher):
     """The shape of the broker target in mq mode (``BrokerPublisher`` on the embedded broker or
     NATS): a claimed row's own fields, sent without waiting for the acknowledgement, which is a
-    future done ``delay_s`` later."""
+    future done ``delay_s`` later. A row published the serial way fails for good: every row of this
+    harness needs this one target, so each must go through the pipeline."""
 
     pipelined = True
 
-    async def publish_claimed(
-        self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes, deadline: float
-    ) -> None:
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+    async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+        raise PermanentError("a pipelining target's row went the serial way")
+
+    async def publish_claimed(self, **_: Any) -> None:
+        raise PermanentError("a pipelining target's row went the serial way")
 
     async def send_claimed(
         self, *, event_id: str, event_type: str, app_code: str, room_id: str, payload: bytes

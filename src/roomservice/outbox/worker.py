@@ -447,7 +447,7 @@ class OutboxWorker:
                 for room_rows in piped
                 if depth < len(room_rows)
             ]
-            return await _Pipeline(self, semaphore, _Turns(ahead, _TURN_S)).run(order, started, untried)
+            return await _Pipeline(self, semaphore, _Turns(ahead)).run(order, started, untried)
 
         # the claims are extended only by a batch that outlives a third of the lease: no task
         # of its own for the others (almost all), only a timer
@@ -761,11 +761,11 @@ _TURN_S = 0.0005
 class _Turns:
     """Whether a pipeline should give the loop a turn now (see ``_TURN_S``)."""
 
-    __slots__ = ("_ahead", "_every", "_next")
+    __slots__ = ("_ahead", "_next")
 
-    def __init__(self, ahead: asyncio.Task[None] | None, every_s: float) -> None:
-        self._ahead, self._every = ahead, every_s
-        self._next = time.perf_counter() + every_s
+    def __init__(self, ahead: asyncio.Task[None] | None) -> None:
+        self._ahead = ahead
+        self._next = time.perf_counter() + _TURN_S
 
     def due(self) -> bool:
         ahead = self._ahead
@@ -774,7 +774,7 @@ class _Turns:
         now = time.perf_counter()
         if now < self._next:
             return False
-        self._next = now + self._every
+        self._next = now + _TURN_S
         return True
 
 
