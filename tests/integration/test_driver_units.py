@@ -1,5 +1,6 @@
-"""``Database.run_driver_write`` on the real MariaDB: statements on the driver's own cursor, with
-the transaction discipline, errors and lost connections of ``run_write`` (store/driver.py)."""
+"""Statements on the driver's own cursor (store/driver.py): ``Database.run_driver_write`` on the real
+MariaDB, with the transaction discipline, errors and lost connections of ``run_write``; and a SQLite
+unit's :class:`SqliteCursor`, inline and on a thread."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.dialects.mysql import asyncmy
 from sqlalchemy.exc import IntegrityError
 from tests.integration.test_database_deadlines import SLACK, D, session_id, through
 from tests.tcp_proxy import TcpProxy
 
 from roomservice.store.database import Database
-from roomservice.store.driver import DriverCursor, DriverSql
+from roomservice.store.driver import DriverCursor, DriverSql, SqliteCursor
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 _t = sa.table("driver_rows", sa.column("id"), sa.column("n"), sa.column("tag"))
@@ -48,9 +50,15 @@ def test_a_none_bound_in_the_construct_is_sent_as_none() -> None:
     assert text.startswith("UPDATE driver_rows SET tag=%s") and args == (None, 4)
 
 
-def test_a_statement_needs_the_format_paramstyle() -> None:
+def test_a_statement_renders_with_sqlites_placeholders() -> None:
+    text, args = DriverSql(sa.create_engine("sqlite://").dialect, SET_N).render({"ids": [3, 4], "n": 7})
+    assert text.endswith("WHERE driver_rows.id IN (?, ?)") and "%s" not in text
+    assert args == (7, "set", 3, 4)
+
+
+def test_a_statement_needs_a_positional_paramstyle() -> None:
     with pytest.raises(ValueError, match="paramstyle"):
-        DriverSql(sa.create_engine("sqlite://").dialect, SET_N)
+        DriverSql(sqlite.dialect(paramstyle="named"), SET_N)
 
 
 # --------------------------------------------------------------------------- on MariaDB
@@ -177,7 +185,7 @@ class BrokenCursor:
 
 async def test_an_error_that_is_not_the_drivers_leaves_as_it_is(db: Database) -> None:
     async with db.write() as conn:
-        cursor = DriverCursor(conn, BrokenCursor(), {})
+        cursor = DriverCursor(conn, BrokenCursor())
         with pytest.raises(RuntimeError, match="not a database error") as failure:
             await cursor.execute(SET_N, {"ids": [1], "n": 1})
     assert failure.value.__cause__ is None  # re-raised as it is: not wrapped, not chained to itself
@@ -208,3 +216,74 @@ async def test_a_unit_during_a_blackhole_fails_by_its_deadline_and_its_connectio
     finally:
         proxy.forward()
         await hung.dispose()
+
+
+# --------------------------------------------------------------------------- on SQLite
+
+RETURNING = sa.update(_t).where(_t.c.id.in_(sa.bindparam("ids", expanding=True))).values(n=_t.c.n + 10).returning(
+    _t.c.id, _t.c.n
+)
+
+
+@pytest_asyncio.fixture
+async def lite(tmp_path: Any) -> AsyncIterator[Database]:
+    database = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/units.db", timeout_s=5.0)
+    async with database.write() as conn:
+        await conn.execute(sa.text("CREATE TABLE driver_rows (id INT PRIMARY KEY, n INT, tag TEXT)"))
+        await conn.execute(sa.text("INSERT INTO driver_rows VALUES (1, 0, 'a'), (2, 0, 'b'), (3, 0, 'c')"))
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+def sqlite_unit(conn: sa.Connection) -> tuple[int, int, list[tuple[Any, ...]]]:
+    cur = SqliteCursor(conn)
+    changed = cur.execute(SET_N, {"ids": [1, 2, 99], "n": 5})
+    bumped = cur.executemany(BUMP, [{"id": 1}, {"id": 3}, {"id": 98}])
+    return changed, bumped, cur.rows(RETURNING, {"ids": [2, 3]})
+
+
+@pytest.mark.parametrize("where", ["inline", "thread"])
+async def test_a_sqlite_unit_commits_its_statements_together_and_counts_changed_rows(
+    lite: Database, where: str
+) -> None:
+    run = lite.run_write if where == "inline" else lite.run_long_write
+    inline_before = lite.unit_counts.inline
+    changed, bumped, returned = await run(sqlite_unit)
+    assert (changed, bumped) == (2, 2)  # the missing ids change nothing
+    assert sorted(returned) == [(2, 15), (3, 11)]  # RETURNING's rows, the driver's tuples
+    assert (lite.unit_counts.inline > inline_before) == (where == "inline")
+    assert await rows(lite) == [(1, 6, "set"), (2, 15, "set"), (3, 11, "c")]
+
+
+async def test_a_sqlite_drivers_error_is_sqlalchemys_and_rolls_the_unit_back(lite: Database) -> None:
+    def unit(conn: sa.Connection) -> None:
+        cur = SqliteCursor(conn)
+        cur.execute(SET_N, {"ids": [1], "n": 9})
+        cur.execute(INSERT, {"id": 2, "n": 1})  # duplicate key
+
+    with pytest.raises(IntegrityError) as failure:
+        await lite.run_write(unit)
+    assert failure.value.statement is not None and failure.value.statement.startswith("INSERT INTO driver_rows")
+    assert not failure.value.connection_invalidated
+    assert await rows(lite) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]  # rolled back whole
+    assert await lite.run_write(lambda conn: SqliteCursor(conn).execute(SET_N, {"ids": [3], "n": 1})) == 1
+
+
+async def test_sqlite_statements_are_announced_to_sqlalchemys_listeners(lite: Database) -> None:
+    seen: list[tuple[str, Any, bool]] = []
+
+    def listen(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any, many: bool) -> None:
+        seen.append((statement, params, many))
+
+    engine = lite._sync_engine
+    assert engine is not None  # the units' engine: a listener there sees every unit, inline or not
+    sa.event.listen(engine, "before_cursor_execute", listen)
+    try:
+        await lite.run_write(lambda conn: SqliteCursor(conn).executemany(BUMP, [{"id": 1}, {"id": 2}]))
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", listen)
+    assert [(s, p, m) for s, p, m in seen if s.startswith("UPDATE")] == [
+        ("UPDATE driver_rows SET n=(driver_rows.n + ?) WHERE driver_rows.id = ?", [(1, 1), (1, 2)], True)
+    ]

@@ -3,9 +3,9 @@
 Every operation is one short write transaction run as one unit: through
 :meth:`Database.run_write` (a synchronous unit; inline on the event loop's thread
 on SQLite), or, for the worker's claim and finish on MySQL/MariaDB, through
-:meth:`Database.run_driver_write` (an async unit whose statements go to the
-driver's cursor without SQLAlchemy's execution per statement); statements are
-built once, at import.
+:meth:`Database.run_driver_write` (an async unit). The worker's claim and finish
+statements go to the driver's cursor without SQLAlchemy's execution per statement
+on both (:mod:`roomservice.store.driver`); statements are built once, at import.
 
 Claiming (SPEC §4, §10). ``due_at_ms`` is the claim key of every claimable
 status, indexed with ``status``: ``retryable`` -> ``next_retry_at_ms``,
@@ -42,7 +42,6 @@ from typing import Any, Final
 
 from sqlalchemy import (
     Connection,
-    Row,
     Select,
     bindparam,
     case,
@@ -59,7 +58,7 @@ from sqlalchemy import (
 from roomservice.outbox.model import ClaimedRow, Status, parse_targets
 from roomservice.outbox.repository import Delivered, RetryDecision
 from roomservice.store.database import Database
-from roomservice.store.driver import DriverCursor
+from roomservice.store.driver import DriverCursor, SqliteCursor
 from roomservice.store.tables import room_outbox
 
 LAST_ERROR_MAX_CHARS: Final = 2000
@@ -462,27 +461,32 @@ async def _finish_then_claim_mysql(
     return changed, await _claim_mysql(cur, params, pending_only)
 
 
-# SQLite: one statement claims every kind; each unit runs inline on the loop's thread (Database.run_write).
+# SQLite: one statement claims every kind; each unit runs inline on the loop's thread (Database.run_write), its
+# statements on the sqlite3 cursor of its transaction (roomservice.store.driver).
 
 
-def _claim_sqlite(conn: Connection, params: dict[str, Any]) -> Sequence[Row[Any]]:
-    return conn.execute(SQLITE_CLAIM, params).all()
+def _claim_sqlite(conn: Connection, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return SqliteCursor(conn).rows(SQLITE_CLAIM, params)
 
 
 def _finish_sqlite(conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:
+    return _finish_on(SqliteCursor(conn), delivered, retries)
+
+
+def _finish_on(cur: SqliteCursor, delivered: list[dict[str, Any]], retries: list[dict[str, Any]]) -> int:
     changed = 0
     for params in delivered:
-        changed += conn.execute(_FINISH_DELIVERED, params).rowcount
+        changed += cur.execute(_FINISH_DELIVERED, params)
     if retries:
-        # executemany: the driver sums the rowcounts
-        changed += conn.execute(_FINISH_RETRY, retries).rowcount
+        changed += cur.executemany(_FINISH_RETRY, retries)
     return changed
 
 
 def _finish_then_claim_sqlite(
     conn: Connection, delivered: list[dict[str, Any]], retries: list[dict[str, Any]], params: dict[str, Any]
-) -> tuple[int, Sequence[Row[Any]]]:
-    return _finish_sqlite(conn, delivered, retries), _claim_sqlite(conn, params)
+) -> tuple[int, list[tuple[Any, ...]]]:
+    cur = SqliteCursor(conn)
+    return _finish_on(cur, delivered, retries), cur.rows(SQLITE_CLAIM, params)
 
 
 def _rowcount(conn: Connection, statement: Any, params: dict[str, Any]) -> int:

@@ -97,7 +97,7 @@ from sqlalchemy.sql.dml import Insert
 
 from roomservice.futures import Deadlines
 from roomservice.observability.logging import get_logger
-from roomservice.store.driver import DriverCursor, DriverSql
+from roomservice.store.driver import DriverCursor
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 DialectName = Literal["sqlite", "mysql"]
@@ -207,7 +207,6 @@ class Database:
         self._checkpointing: asyncio.Task[None] | None = None
         self._checkpoint_copied = asyncio.Event()  # the running checkpoint's first pass is done
         self.unit_counts = UnitCounts()
-        self._driver_sql: dict[int, DriverSql] = {}  # run_driver_write's statements, compiled once
         if self.dialect_name == "sqlite":
             _take_over_sqlite_transactions(engine.sync_engine, busy_timeout_ms=_sqlite_busy_ms(timeout_s))
             self._write_engine = engine.execution_options(**_BEGIN_WRITE)
@@ -411,7 +410,7 @@ class Database:
             # a buffered cursor keeps nothing on the server: not closed, so that a unit cancelled
             # mid-statement does no I/O on the way out (the block discards the connection)
             cursor = _driver(conn).cursor()
-            return await fn(DriverCursor(conn, cursor, self._driver_sql), *args, **kwargs)
+            return await fn(DriverCursor(conn, cursor), *args, **kwargs)
 
     async def run_long_write(
         self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs

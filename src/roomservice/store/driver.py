@@ -1,18 +1,23 @@
-"""Statements run on the MySQL/MariaDB driver's own cursor, for the hottest write units (issue 12).
+"""Statements run on the driver's own cursor, for the hottest write units (issue 12).
 
-:meth:`Database.run_driver_write` runs an ``async`` unit ``fn(cursor, ...)`` inside the same
-write block as :meth:`Database.run_write` (pooled connection, deadline, commit, rollback, a
-lost or abandoned session invalidated and killed), but its statements go to the asyncmy
-cursor directly instead of through SQLAlchemy's execution: no greenlet switch, execution
-context or result processing per statement, rows as the driver's tuples. SQLAlchemy's
-execution costs ~40-70 us of CPU a statement over the driver's own round trip (measured:
-``SELECT %s`` 108-138 against 67 us) and the outbox worker runs three to six statements a
-cycle, on the event loop its commands share.
+The outbox worker's claim and finish run three to six statements a cycle on the event loop its
+commands share; SQLAlchemy's execution of a statement (execution context, parameter and result
+processing) costs more CPU than the driver's own work for the small statements of a cycle:
 
-Statements are still SQLAlchemy constructs: each is compiled once for the connection's
-dialect (:class:`DriverSql`), the values bound in the construct itself taken from that
-compilation and one expanding ``IN`` parameter spliced in per call. Only for statements whose
-parameters and columns need no type processing (integers, strings, bytes).
+* MySQL/MariaDB: :meth:`Database.run_driver_write` runs an ``async`` unit ``fn(cursor, ...)``
+  (:class:`DriverCursor`) inside the same write block as :meth:`Database.run_write` (pooled
+  connection, deadline, commit, rollback, a lost or abandoned session invalidated and killed),
+  its statements on the asyncmy cursor: no greenlet switch, execution context or result
+  processing per statement (measured: ``SELECT %s`` 108-138 against 67 us of CPU).
+* SQLite: a unit of :meth:`Database.run_write` (inline on the loop's thread, or on a thread, as
+  every unit) takes a :class:`SqliteCursor` of its connection: the sqlite3 cursor of the same
+  transaction (measured on the worker's one-row claim, the whole unit: 296-346 us of CPU through
+  SQLAlchemy, 171-197 on the driver's cursor).
+
+Statements are still SQLAlchemy constructs: each is compiled once per dialect (:class:`DriverSql`),
+the values bound in the construct itself taken from that compilation and one expanding ``IN``
+parameter spliced in per call. Only for statements whose parameters and columns need no type
+processing (integers, strings, bytes); rows come back as the driver's tuples.
 
 SQLAlchemy's ``before_cursor_execute`` event is still announced for each statement (when
 something listens). A driver error leaves as SQLAlchemy's own execution would raise it: the
@@ -25,22 +30,26 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 _EXPANDING = "__[POSTCOMPILE_{}]"
+_PLACEHOLDERS = {"format": "%s", "qmark": "?"}
 T = TypeVar("T")
 
 
 class DriverSql:
-    """A statement compiled once for a dialect whose paramstyle is ``format`` (``%s``)."""
+    """A statement compiled once for a dialect whose paramstyle is positional (``%s`` or ``?``)."""
 
-    __slots__ = ("_defaults", "_expanding", "_names", "_parts")
+    __slots__ = ("_defaults", "_expanding", "_names", "_parts", "_placeholder")
 
     def __init__(self, dialect: Dialect, statement: Any) -> None:
-        if dialect.paramstyle != "format":
-            raise ValueError(f"driver statements need the 'format' paramstyle, not {dialect.paramstyle!r}")
+        placeholder = _PLACEHOLDERS.get(dialect.paramstyle)
+        if placeholder is None:
+            raise ValueError(f"driver statements need a positional paramstyle, not {dialect.paramstyle!r}")
+        self._placeholder = placeholder
         compiled = statement.compile(dialect=dialect)
         names = tuple(compiled.positiontup or ())
         expanding = [name for name in names if _EXPANDING.format(name) in compiled.string]
@@ -75,41 +84,82 @@ class DriverSql:
                 args.extend(values)
             else:
                 args.append(params[name] if name in params else defaults[name])
-        return ", ".join(["%s"] * len(values)).join(self._parts), tuple(args)
+        return ", ".join([self._placeholder] * len(values)).join(self._parts), tuple(args)
 
 
-class DriverCursor:
-    """The driver cursor of one unit, statements by their SQLAlchemy construct."""
+# Statements compiled for the driver, by dialect and statement (module constants: built once, never freed).
+_COMPILED: dict[tuple[str, str, int], DriverSql] = {}
 
-    __slots__ = ("_conn", "_cursor", "_sql")
 
-    def __init__(self, conn: AsyncConnection, cursor: Any, sql: dict[int, DriverSql]) -> None:
-        self._conn = conn
+def driver_sql(dialect: Dialect, statement: Any) -> DriverSql:
+    """``statement`` compiled once for ``dialect`` (by its name and paramstyle)."""
+    key = (dialect.name, dialect.paramstyle, id(statement))
+    sql = _COMPILED.get(key)
+    if sql is None:
+        sql = _COMPILED[key] = DriverSql(dialect, statement)
+    return sql
+
+
+class _Statements:
+    """What both cursors share: a statement rendered for the driver and announced to SQLAlchemy's
+    listeners, and a driver error translated as SQLAlchemy would raise it."""
+
+    __slots__ = ("_cursor", "_dialect", "_sync")
+
+    def __init__(self, sync: Connection, cursor: Any) -> None:
+        self._sync = sync
+        self._dialect = sync.dialect
         self._cursor = cursor
-        self._sql = sql
 
-    def _rendered(self, statement: Any) -> DriverSql:
-        sql = self._sql.get(id(statement))
-        if sql is None:
-            sql = self._sql[id(statement)] = DriverSql(self._conn.dialect, statement)
-        return sql
+    def _prepared(self, statement: Any, params: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        text, args = driver_sql(self._dialect, statement).render(params)
+        self._announce(text, args, False)
+        return text, args
+
+    def _prepared_many(self, statement: Any, params: Sequence[dict[str, Any]]) -> tuple[str, list[tuple[Any, ...]]]:
+        sql = driver_sql(self._dialect, statement)
+        if sql.expands:
+            raise ValueError("executemany needs one SQL text: no expanding parameter")
+        text = sql.render(params[0])[0]
+        many = [sql.render(p)[1] for p in params]
+        self._announce(text, many, True)
+        return text, many
 
     def _announce(self, text: str, args: Any, many: bool) -> None:
         """SQLAlchemy's ``before_cursor_execute`` event, for whoever listens (instrumentation, tests)."""
-        sync = self._conn.sync_connection
-        if sync is not None and sync.dispatch.before_cursor_execute:
+        sync = self._sync
+        if sync.dispatch.before_cursor_execute:
             sync.dispatch.before_cursor_execute(sync, self._cursor, text, args, None, many)
+
+    def _translated(self, exc: Exception, text: str, args: Any) -> tuple[StatementError | None, bool]:
+        """``exc`` as SQLAlchemy would raise it (None when it is not the driver's), and whether the
+        connection is lost (the caller invalidates it)."""
+        dialect = self._dialect
+        dbapi = dialect.loaded_dbapi
+        if not isinstance(exc, dbapi.Error):
+            return None, False
+        lost = bool(dialect.is_disconnect(exc, None, None))
+        error = DBAPIError.instance(text, args, exc, dbapi.Error, connection_invalidated=lost, dialect=dialect)
+        return error, lost
+
+
+class DriverCursor(_Statements):
+    """The asyncmy cursor of one MySQL/MariaDB unit, statements by their SQLAlchemy construct."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: AsyncConnection, cursor: Any) -> None:
+        super().__init__(conn.sync_connection, cursor)  # type: ignore[arg-type]
+        self._conn = conn
 
     async def execute(self, statement: Any, params: dict[str, Any]) -> int:
         """Run ``statement``; the rows it matched (``CLIENT_FOUND_ROWS``) or returned."""
-        text, args = self._rendered(statement).render(params)
-        self._announce(text, args, False)
+        text, args = self._prepared(statement, params)
         return int(await self._call(text, args, lambda: self._cursor.execute(text, args)))
 
     async def rows(self, statement: Any, params: dict[str, Any]) -> Sequence[tuple[Any, ...]]:
         """Run the query ``statement``; its rows as the driver's tuples."""
-        text, args = self._rendered(statement).render(params)
-        self._announce(text, args, False)
+        text, args = self._prepared(statement, params)
 
         async def query() -> Sequence[tuple[Any, ...]]:
             await self._cursor.execute(text, args)
@@ -120,35 +170,60 @@ class DriverCursor:
 
     async def executemany(self, statement: Any, params: Sequence[dict[str, Any]]) -> int:
         """Run ``statement`` once per parameter set (one bulk call where the driver can); the rows matched."""
-        sql = self._rendered(statement)
-        if sql.expands:
-            raise ValueError("executemany needs one SQL text: no expanding parameter")
-        text = sql.render(params[0])[0]
-        many = [sql.render(p)[1] for p in params]
-        self._announce(text, many, True)
+        text, many = self._prepared_many(statement, params)
         await self._call(text, many, lambda: self._cursor.executemany(text, many))
         return int(self._cursor.rowcount)
 
     async def _call(self, text: str, args: Any, call: Callable[[], Awaitable[T]]) -> T:
-        """``await call()``; a driver error raised as SQLAlchemy would raise it (:meth:`_translated`)."""
+        """``await call()``; a driver error raised as SQLAlchemy would raise it, a lost connection
+        invalidated first."""
         try:
             return await call()
         except Exception as exc:
-            translated = await self._translated(exc, text, args)
+            if isinstance(exc, AttributeError):  # asyncmy's way of saying its transport is gone
+                dbapi = self._dialect.loaded_dbapi
+                exc = dbapi.InternalError("network operation failed due to asyncmy attribute error")
+            translated, lost = self._translated(exc, text, args)
             if translated is None:
                 raise
+            if lost:
+                await self._conn.invalidate(exc)
             raise translated from exc
 
-    async def _translated(self, exc: Exception, text: str, args: Any) -> StatementError | None:
-        """``exc`` as SQLAlchemy would raise it, a lost connection invalidated first; None when it is
-        not the driver's."""
-        dialect = self._conn.dialect
-        dbapi = dialect.loaded_dbapi
-        if isinstance(exc, AttributeError):  # asyncmy's way of saying its transport is gone (as SQLAlchemy reads it)
-            exc = dbapi.InternalError("network operation failed due to asyncmy attribute error")
-        if not isinstance(exc, dbapi.Error):
-            return None
-        lost = bool(dialect.is_disconnect(exc, None, None))
-        if lost:
-            await self._conn.invalidate(exc)
-        return DBAPIError.instance(text, args, exc, dbapi.Error, connection_invalidated=lost, dialect=dialect)
+
+class SqliteCursor(_Statements):
+    """The driver cursor of a SQLite unit's connection (in its transaction), statements by their
+    SQLAlchemy construct."""
+
+    __slots__ = ()
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__(conn, conn.connection.dbapi_connection.cursor())  # type: ignore[union-attr]
+
+    def execute(self, statement: Any, params: dict[str, Any]) -> int:
+        """Run ``statement``; the rows it changed."""
+        text, args = self._prepared(statement, params)
+        return int(self._call(text, args, lambda: self._cursor.execute(text, args)).rowcount)
+
+    def rows(self, statement: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run ``statement`` (a query, or a write with ``RETURNING``); its rows as the driver's tuples."""
+        text, args = self._prepared(statement, params)
+        rows: list[tuple[Any, ...]] = self._call(text, args, lambda: self._cursor.execute(text, args).fetchall())
+        return rows
+
+    def executemany(self, statement: Any, params: Sequence[dict[str, Any]]) -> int:
+        """Run ``statement`` once per parameter set; the rows changed, summed."""
+        text, many = self._prepared_many(statement, params)
+        return int(self._call(text, many, lambda: self._cursor.executemany(text, many)).rowcount)
+
+    def _call(self, text: str, args: Any, call: Callable[[], T]) -> T:
+        """``call()``; a driver error raised as SQLAlchemy would raise it, a lost connection invalidated."""
+        try:
+            return call()
+        except Exception as exc:
+            translated, lost = self._translated(exc, text, args)
+            if translated is None:
+                raise
+            if lost:
+                self._sync.invalidate(exc)
+            raise translated from exc
