@@ -375,6 +375,90 @@ async def test_one_busy_room_drains_without_a_cycle_per_lane(
     assert worker.batches <= rows // batch + 1 < rows // MAX_ROOM_LANE
 
 
+class GatedPublisher:
+    """Every attempt waits (until its deadline at most) for ``width`` attempts to be in flight at
+    once, then all go on; records the most in flight and the order of each room's rows."""
+
+    def __init__(self, name: str, width: int) -> None:
+        self.name, self.width = name, width
+        self.in_flight = self.most_in_flight = 0
+        self.opened = asyncio.Event()
+        self.published: list[tuple[str, int]] = []
+
+    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            if self.in_flight >= self.width:
+                self.opened.set()
+            async with asyncio.timeout_at(deadline):
+                await self.opened.wait()
+            self.published.append((event.room_id, event.room_version))
+        finally:
+            self.in_flight -= 1
+
+
+async def test_rooms_are_published_side_by_side_up_to_publish_concurrency(database: Database, clock: Clock) -> None:
+    """Rooms in parallel, each room's rows in version order: publishes that wait get up to
+    publish_concurrency rooms in flight at once (the runners that take the lanes start one
+    another as each waits), never more."""
+    rooms, width = 7, 3
+    await insert_rows(database, *(make_event(JOINED, room=f"r{r}", version=v) for r in range(rooms) for v in (1, 2)))
+    gated = GatedPublisher(BROKER, width)
+    worker = OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({BROKER: gated}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.MQ, batch_size=50, publish_concurrency=width, publish_timeout_s=5.0),
+        clock=clock,
+    )
+    assert await worker.run_once() == 2 * rooms
+    assert gated.most_in_flight == width  # the gate opened: that many at once, and never more
+    assert sorted(gated.published) == [(f"r{r}", v) for r in range(rooms) for v in (1, 2)]  # each once
+    for r in range(rooms):
+        assert [v for room, v in gated.published if room == f"r{r}"] == [1, 2]
+    assert await delivered_in_all(database) == 2 * rooms
+
+
+class TaskCountingPublisher:
+    """Takes every row at once (never waits); records how many tasks the loop has at each attempt."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tasks: list[int] = []
+
+    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+        self.tasks.append(len(asyncio.all_tasks()))
+
+
+async def test_publishes_that_never_wait_start_no_task_per_runner(database: Database, clock: Clock) -> None:
+    """A target that takes each row at once leaves every lane to the first runner, which runs in
+    the batch's own task: a batch of many rooms starts no further task (it started one per
+    runner, up to publish_concurrency, which then found nothing left to do)."""
+    rooms = 40
+    await insert_rows(database, *(make_event(JOINED, room=f"r{r}") for r in range(rooms)))
+    counting = TaskCountingPublisher(BROKER)
+    worker = OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({BROKER: counting}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.MQ, batch_size=100, publish_concurrency=16),
+        clock=clock,
+    )
+    before = len(asyncio.all_tasks())
+    assert await worker.run_once() == rooms
+    assert counting.tasks == [before] * rooms
+    assert await delivered_in_all(database) == rooms
+
+
+async def delivered_in_all(db: Database) -> int:
+    async with db.read() as conn:
+        n = await conn.scalar(
+            sa.select(sa.func.count()).select_from(t.room_outbox).where(t.room_outbox.c.status == "delivered")
+        )
+    return int(n or 0)
+
+
 async def test_shutdown_releases_every_claim_of_the_owner(database: Database, make_worker: WorkerFactory) -> None:
     ev = make_event(JOINED)
     await insert_rows(database, ev)

@@ -59,7 +59,7 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -477,20 +477,15 @@ class OutboxWorker:
             elif len(plain) == 1 and not piped:  # one room: its lane awaited here, no task of its own
                 per_room.append(await lane(plain[0]))
             else:
-                # publish_concurrency runners take the lanes in turn (a task per runner, not per
-                # room): at most that many rows are attempted at once either way, so a batch of
-                # many one-row rooms no longer parks a task per room on the semaphore
-                waiting = iter(plain)
+                lanes_run = _run_lanes(plain, lane, self.options.publish_concurrency, per_room)
+                if piped:
 
-                async def runner() -> None:
-                    for room_rows in waiting:
-                        per_room.append(await lane(room_rows))
+                    async def piper() -> None:
+                        per_room.append(await pipeline())
 
-                async def piper() -> None:
-                    per_room.append(await pipeline())
-
-                runners = [runner() for _ in range(min(self.options.publish_concurrency, len(plain)))]
-                await asyncio.gather(*runners, *([piper()] if piped else []))
+                    await asyncio.gather(lanes_run, piper())
+                else:
+                    await lanes_run
         finally:
             timer.cancel()
             for task in keeper:
@@ -741,6 +736,47 @@ class OutboxWorker:
             _FINISHED["failed"].inc(failed)
             _FINISHED["retryable"].inc(len(retries) - failed)
         return _Finish(now, delivered, retries)
+
+
+async def _run_lanes(
+    lanes: list[list[ClaimedRow]],
+    lane: Callable[[list[ClaimedRow]], Awaitable[list[Outcome]]],
+    concurrency: int,
+    per_room: list[list[Outcome]],
+) -> None:
+    """Publish ``lanes`` (rooms, each row after row) with at most ``concurrency`` runners taking
+    them in turn (a task per runner, not per room): at most that many rows are attempted at once
+    either way, so a batch of many one-row rooms parks no task per room on the semaphore.
+
+    The first runner runs in the caller's task; each runner starts the next once it gives the loop
+    a turn (a publish that waits), while lanes are left. Publishes that never wait (a target that
+    takes a row at once) so leave every lane to the first runner, and no further task is made: a
+    batch of 100 rooms started 99 tasks that found nothing left to do (issue 12)."""
+    loop = asyncio.get_running_loop()
+    taken = 0
+    helpers: list[asyncio.Task[None]] = []
+
+    def start_another() -> None:
+        if taken < len(lanes) and len(helpers) + 1 < concurrency:
+            helpers.append(loop.create_task(runner()))
+
+    async def runner() -> None:
+        nonlocal taken
+        loop.call_soon(start_another)  # runs once this runner waits (or ends)
+        while taken < len(lanes):
+            room_rows = lanes[taken]
+            taken += 1
+            per_room.append(await lane(room_rows))
+
+    try:
+        await runner()
+        waited = 0
+        while waited < len(helpers):  # helpers may start helpers while we wait
+            await asyncio.gather(*helpers[waited:])
+            waited = len(helpers)
+    finally:
+        for task in helpers:
+            task.cancel()
 
 
 # A pipeline's sends share one asyncio timeout, moved to the current send's deadline at most this
