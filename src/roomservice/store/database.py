@@ -1188,6 +1188,8 @@ def insert_rendered(conn: Connection, insert: Insert, rows: list[dict[str, Any]]
     the same), without SQLAlchemy's parameter processing of each row (half the store's own CPU in
     a shared transaction, py-spy). The same conditions: no type processing, every value given."""
     sql, positional = _rendered(conn, insert, tuple(rows[0]))
+    if len(rows) == 1:  # one row: a plain execute, not the driver's executemany of one
+        return conn.exec_driver_sql(sql, positional(rows[0]))
     return conn.exec_driver_sql(sql, [positional(row) for row in rows])
 
 

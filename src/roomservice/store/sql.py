@@ -434,12 +434,12 @@ def _save_mutation(
         m.attached.write(conn, shared=False)
     _write_meta(conn, m, meta_guard, meta_values)
     try:
-        conn.execute(_INSERT_COMMAND, command)
+        insert_rendered(conn, _INSERT_COMMAND, [command])
     except IntegrityError as exc:
         raise CommandIdTaken(f"command_id {m.command_id!r} is already logged in {m.app_code}/{m.room_id}") from exc
     if outbox:
         # A failure here (a duplicate event_id) is a bug, not a race: let it surface.
-        conn.execute(_INSERT_OUTBOX, outbox)
+        insert_rendered(conn, _INSERT_OUTBOX, outbox)
 
 
 def _write_meta(conn: Connection, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]) -> None:
