@@ -65,6 +65,9 @@ OUTBOX_COMMIT_TO_DELIVERED_SECONDS = Histogram(
 )
 
 
+_FEW_VALUES = 4  # observe_many: up to this many values increment their buckets one by one
+
+
 def observe_many(histogram: Any, values: Sequence[float]) -> None:
     """``histogram.observe(v)`` for each of ``values``, in one pass: each bucket and the sum are
     incremented once (one lock each) instead of once per value. The outbox worker observes a
@@ -80,11 +83,15 @@ def observe_many(histogram: Any, values: Sequence[float]) -> None:
         for value in values:
             histogram.observe(value)
         return
-    counts = [0] * len(bounds)
     last = len(bounds) - 1
-    for value in values:  # the first bucket whose bound is >= the value, as observe() picks it
-        counts[min(bisect_left(bounds, value), last)] += 1
     total.inc(sum(values))
+    if len(values) <= _FEW_VALUES:  # a bucket each, no pass over every bucket (one command a turn, say)
+        for value in values:  # the first bucket whose bound is >= the value, as observe() picks it
+            buckets[min(bisect_left(bounds, value), last)].inc(1)
+        return
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[min(bisect_left(bounds, value), last)] += 1
     for bucket, count in zip(buckets, counts, strict=True):
         if count:
             bucket.inc(count)
