@@ -207,6 +207,14 @@ class _Bound:
         self.task: asyncio.Task[Any] | None = None
 
     async def __aenter__(self) -> _Bound:
+        return self.enter()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.exit(exc)
+
+    def enter(self) -> _Bound:
+        """What ``async with`` does on the way in, without a coroutine of its own (a hot path pairs it
+        with :meth:`exit` in ``try``: the outbox worker, once per row and target)."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a bound must be entered in a task")
@@ -214,11 +222,13 @@ class _Bound:
         self.deadlines.watch(self, self.deadline)
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def exit(self, exc: BaseException | None) -> None:
+        """What ``async with`` does on the way out, the block having raised ``exc`` (None: it did not):
+        raises :class:`TimeoutError` from ``exc`` when the bound's own cancellation ended the block."""
         expiring = self.state == _EXPIRING
         self.state = _EXITED
         # as asyncio.Timeout: the cancellation is ours only when no one else cancelled the task too
-        if expiring and self.task is not None and self.task.uncancel() == 0 and exc_type is asyncio.CancelledError:
+        if expiring and self.task is not None and self.task.uncancel() == 0 and type(exc) is asyncio.CancelledError:
             raise TimeoutError from exc
 
     def done(self) -> bool:  # (for Deadlines: expiring or exited, there is nothing left to expire)

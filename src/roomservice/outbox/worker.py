@@ -680,9 +680,10 @@ class OutboxWorker:
         timeout = self.options.publish_timeout_s
         try:
             # the attempt's one deadline: the worker's bound (a publisher may ignore it), and
-            # the same instant given to the publisher
-            async with self._bounds.within(timeout) as bound:
-                deadline = bound.deadline
+            # the same instant given to the publisher; entered and left as `async with` would,
+            # without its two coroutines a row
+            bound = self._bounds.within(timeout).enter()
+            try:
                 if event is None:
                     await publisher.publish_claimed(  # type: ignore[attr-defined]
                         event_id=row.event_id,
@@ -690,10 +691,14 @@ class OutboxWorker:
                         app_code=row.app_code,
                         room_id=row.room_id,
                         payload=row.payload,
-                        deadline=deadline,
+                        deadline=bound.deadline,
                     )
                 else:
-                    await publisher.publish(event, payload=row.payload, deadline=deadline)
+                    await publisher.publish(event, payload=row.payload, deadline=bound.deadline)
+            except BaseException as exc:
+                bound.exit(exc)
+                raise
+            bound.exit(None)
         except Exception as exc:
             return self._result(target, started, exc)
         return self._result(target, started, None)
