@@ -451,6 +451,52 @@ async def test_publishes_that_never_wait_start_no_task_per_runner(database: Data
     assert await delivered_in_all(database) == rooms
 
 
+class HangingPublisher:
+    """Every attempt waits until its deadline (never answers in time); counts the attempts. With
+    ``cancel_at`` set, the attempt of that number also asks for ``batch`` to be cancelled, from the
+    loop's next turn (as a shutdown arriving then would)."""
+
+    def __init__(self, name: str, cancel_at: int) -> None:
+        self.name, self.cancel_at = name, cancel_at
+        self.calls = 0
+        self.batch: asyncio.Task[int] | None = None
+
+    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+        self.calls += 1
+        loop = asyncio.get_running_loop()
+        if self.calls == self.cancel_at and self.batch is not None:
+            loop.call_soon(self.batch.cancel)
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+
+
+async def test_a_batch_cancelled_while_its_runners_start_leaves_no_publish_behind(
+    database: Database, clock: Clock
+) -> None:
+    """Cancelled (a shutdown) while its lane runners are still starting one another (each runner
+    starts the next on the loop's turn after its own first step): when the batch has ended, no
+    runner of it is left and none starts later, so no publish of its rows goes on after the
+    worker hands their claims back."""
+    await insert_rows(database, *(make_event(JOINED, room=f"r{r}") for r in range(20)))
+    hanging = HangingPublisher(BROKER, cancel_at=2)
+    worker = OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({BROKER: hanging}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.MQ, batch_size=50, publish_concurrency=8, publish_timeout_s=30.0),
+        clock=clock,
+    )
+    before = asyncio.all_tasks()
+    batch = hanging.batch = asyncio.create_task(worker.run_once())
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(batch), timeout=10)
+    calls = hanging.calls
+    assert 2 <= calls < 8  # cancelled while its runners were starting
+    for _ in range(50):  # turns of the loop for anything the batch left scheduled
+        await asyncio.sleep(0)
+    assert hanging.calls == calls
+    assert asyncio.all_tasks() == before
+
+
 async def delivered_in_all(db: Database) -> int:
     async with db.read() as conn:
         n = await conn.scalar(

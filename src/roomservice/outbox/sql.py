@@ -347,7 +347,7 @@ def _claim_params(*, owner: str, now_ms: int, lock_ms: int, limit: int) -> dict[
 
 
 def _claimed_rows(rows: Sequence[Any], *, owner: str, until: int) -> list[ClaimedRow]:
-    # Per row this runs for every claim: the Row unpacked as a tuple in _CLAIM_COLUMNS' order
+    # Per row this runs for every claim: the driver's tuple unpacked in _CLAIM_COLUMNS' order
     # (no attribute lookups by name), targets_done parsed once per distinct text (a batch has
     # one or two), the payload copied only when the driver did not hand over bytes.
     targets: dict[str, frozenset[str]] = {}

@@ -760,9 +760,10 @@ async def _run_lanes(
     loop = asyncio.get_running_loop()
     taken = 0
     helpers: list[asyncio.Task[None]] = []
+    closed = False  # ended (or cancelled, or failed): a runner's start_another still due starts nothing
 
     def start_another() -> None:
-        if taken < len(lanes) and len(helpers) + 1 < concurrency:
+        if not closed and taken < len(lanes) and len(helpers) + 1 < concurrency:
             helpers.append(loop.create_task(runner()))
 
     async def runner() -> None:
@@ -780,8 +781,12 @@ async def _run_lanes(
             await asyncio.gather(*helpers[waited:])
             waited = len(helpers)
     finally:
-        for task in helpers:
+        closed = True
+        running = [task for task in helpers if not task.done()]
+        for task in running:  # (only when cancelled or failed: otherwise every helper is done)
             task.cancel()
+        if running:  # no publish of this batch outlives it
+            await asyncio.gather(*running, return_exceptions=True)
 
 
 # A pipeline's sends share one asyncio timeout, moved to the current send's deadline at most this

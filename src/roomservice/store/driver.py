@@ -87,17 +87,18 @@ class DriverSql:
         return ", ".join([self._placeholder] * len(values)).join(self._parts), tuple(args)
 
 
-# Statements compiled for the driver, by dialect and statement (module constants: built once, never freed).
-_COMPILED: dict[tuple[str, str, int], DriverSql] = {}
+# Statements compiled for the driver, by dialect and statement (the callers' are module constants).
+# Each entry keeps its statement: an id in a key is never reused for another statement while cached.
+_COMPILED: dict[tuple[str, str, int], tuple[Any, DriverSql]] = {}
 
 
 def driver_sql(dialect: Dialect, statement: Any) -> DriverSql:
     """``statement`` compiled once for ``dialect`` (by its name and paramstyle)."""
     key = (dialect.name, dialect.paramstyle, id(statement))
-    sql = _COMPILED.get(key)
-    if sql is None:
-        sql = _COMPILED[key] = DriverSql(dialect, statement)
-    return sql
+    cached = _COMPILED.get(key)
+    if cached is None:
+        cached = _COMPILED[key] = (statement, DriverSql(dialect, statement))
+    return cached[1]
 
 
 class _Statements:
@@ -180,14 +181,15 @@ class DriverCursor(_Statements):
         try:
             return await call()
         except Exception as exc:
+            seen = exc
             if isinstance(exc, AttributeError):  # asyncmy's way of saying its transport is gone
                 dbapi = self._dialect.loaded_dbapi
-                exc = dbapi.InternalError("network operation failed due to asyncmy attribute error")
-            translated, lost = self._translated(exc, text, args)
+                seen = dbapi.InternalError("network operation failed due to asyncmy attribute error")
+            translated, lost = self._translated(seen, text, args)
             if translated is None:
                 raise
             if lost:
-                await self._conn.invalidate(exc)
+                await self._conn.invalidate(seen)
             raise translated from exc
 
 
@@ -200,21 +202,34 @@ class SqliteCursor(_Statements):
     def __init__(self, conn: Connection) -> None:
         super().__init__(conn, conn.connection.dbapi_connection.cursor())  # type: ignore[union-attr]
 
+    # Results are read from the cursor itself, not from what execute() returns: sqlite3 returns the
+    # cursor, SQLAlchemy's aiosqlite adapter (a ':memory:' database's units) does not.
+
     def execute(self, statement: Any, params: dict[str, Any]) -> int:
         """Run ``statement``; the rows it changed."""
         text, args = self._prepared(statement, params)
-        return int(self._call(text, args, lambda: self._cursor.execute(text, args)).rowcount)
+        cursor = self._cursor
+        self._call(text, args, lambda: cursor.execute(text, args))
+        return int(cursor.rowcount)
 
     def rows(self, statement: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run ``statement`` (a query, or a write with ``RETURNING``); its rows as the driver's tuples."""
         text, args = self._prepared(statement, params)
-        rows: list[tuple[Any, ...]] = self._call(text, args, lambda: self._cursor.execute(text, args).fetchall())
-        return rows
+        cursor = self._cursor
+
+        def query() -> list[tuple[Any, ...]]:
+            cursor.execute(text, args)
+            rows: list[tuple[Any, ...]] = cursor.fetchall()
+            return rows
+
+        return self._call(text, args, query)
 
     def executemany(self, statement: Any, params: Sequence[dict[str, Any]]) -> int:
         """Run ``statement`` once per parameter set; the rows changed, summed."""
         text, many = self._prepared_many(statement, params)
-        return int(self._call(text, many, lambda: self._cursor.executemany(text, many)).rowcount)
+        cursor = self._cursor
+        self._call(text, many, lambda: cursor.executemany(text, many))
+        return int(cursor.rowcount)
 
     def _call(self, text: str, args: Any, call: Callable[[], T]) -> T:
         """``call()``; a driver error raised as SQLAlchemy would raise it, a lost connection invalidated."""
