@@ -474,9 +474,7 @@ class OutboxWorker:
             per_room: list[list[Outcome]] = []
             if not plain:
                 per_room.append(await pipeline())
-            elif len(plain) == 1 and not piped:  # one room: its lane awaited here, no task of its own
-                per_room.append(await lane(plain[0]))
-            else:
+            else:  # (the first lane runner runs in this task: one room makes no task of its own)
                 lanes_run = _run_lanes(plain, lane, self.options.publish_concurrency, per_room)
                 if piped:
 
