@@ -35,6 +35,7 @@ while its in-process parts keep up or fall behind; the server's stderr shows any
 
     .venv/bin/python -m bench.http_commands [--servers worker-off,embedded] [--commands N] [--rounds R]
         [--concurrency C] [--slices S] [--profile DIR]   # --profile: py-spy record of each phase (one slice)
+        [--instructions]   # instructions per request under callgrind (bench/callgrind.py), not rates
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import callgrind
 from bench.common import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,7 +167,7 @@ async def quiet(pid: int, *, below: float = 0.05, within_s: float = 60.0) -> flo
 
 async def measure(port: int, *, commands: int, concurrency: int, tag: str, slices: int = 1,
                   on_phase: Callable[[str], None] = lambda _: None,
-                  pid: int | None = None) -> dict[str, dict[str, Any]]:
+                  pid: int | None = None, floor: int | None = None) -> dict[str, dict[str, Any]]:
     """The three phases, each cut into ``slices`` taken in turn (healthz, join, gift, healthz, join,
     gift, ...): a machine whose speed drifts (other tenants) meets every phase alike. Each slice of
     gifts is sent by the users the slice of joins before it let in. Rates, latencies and CPU are
@@ -178,7 +180,8 @@ async def measure(port: int, *, commands: int, concurrency: int, tag: str, slice
             status, answer = await clients[0].post(f"/v1/apps/{APP}/rooms", body)
             assert status == 200, answer
         await drive(clients, healthz(concurrency * 20))  # warm-up: every connection accepted and used
-        phases = {"healthz": healthz(max(commands, 3_000)), "join": joins(commands, tag), "gift": gifts(commands, tag)}
+        floor = max(commands, 3_000) if floor is None else floor  # a rate needs a long enough floor
+        phases = {"healthz": healthz(floor), "join": joins(commands, tag), "gift": gifts(commands, tag)}
         totals: dict[str, dict[str, Any]] = {
             phase: {"seconds": 0.0, "latencies": [], "failures": [], "cpu_s": 0.0, "n": 0} for phase in phases
         }
@@ -209,6 +212,7 @@ async def measure(port: int, *, commands: int, concurrency: int, tag: str, slice
                 "latencies": t["latencies"],
                 "failures": t["failures"],
                 "cpu_us": t["cpu_s"] / t["n"] * 1e6,
+                "n": t["n"],
             }
             for phase, t in totals.items()
         }
@@ -220,18 +224,18 @@ async def measure(port: int, *, commands: int, concurrency: int, tag: str, slice
 SERVERS = ("worker-off", "embedded")
 
 
-def start_server(kind: str, tmp: Path) -> ServerProcess:
+def start_server(kind: str, tmp: Path, wrapper: list[str] | None = None) -> ServerProcess:
     if kind == "worker-off":
         config = write_config(tmp / "c.yaml", extra="outbox_worker: {enabled: false}\n")
         config.write_text(config.read_text().replace("level: warning", "level: info"))
-        server = ServerProcess(config=config, data_dir=tmp / "data")
+        server = ServerProcess(config=config, data_dir=tmp / "data", wrapper=wrapper)
     elif kind == "embedded":  # no --config, no --data-dir: the packaged local.yaml, ./var in an empty dir
         cwd = tmp / "newcomer"
         cwd.mkdir()
-        server = ServerProcess(config=None, data_dir=cwd / "var", cwd=cwd)
+        server = ServerProcess(config=None, data_dir=cwd / "var", cwd=cwd, wrapper=wrapper)
     else:
         raise ValueError(kind)
-    server.start(timeout_s=60)
+    server.start(timeout_s=300 if wrapper else 60)  # under valgrind start-up takes ~20 s here
     return server
 
 
@@ -260,16 +264,24 @@ class Profiler:
 
 
 def run_server(kind: str, *, commands: int, concurrency: int, round_: int, profile: Path | None,
-               slices: int = 1) -> dict[str, Any]:
+               slices: int = 1, instructions: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="roombench-http-") as tmp:
-        server = start_server(kind, Path(tmp))
+        counts = Path(tmp) / "callgrind"
+        counts.mkdir()
+        server = start_server(kind, Path(tmp), callgrind.callgrind_prefix(counts) if instructions else None)
         try:
             assert server.proc is not None
-            profiler = Profiler(server.proc.pid, profile, f"{kind}-r{round_}")
-            return asyncio.run(measure(server.port, commands=commands, concurrency=concurrency, slices=slices,
-                                       tag=f"r{round_}", on_phase=profiler.phase, pid=server.proc.pid))
+            on_phase = (callgrind.PhaseCounter(server.proc.pid, counts) if instructions
+                        else Profiler(server.proc.pid, profile, f"{kind}-r{round_}")).phase
+            figures = asyncio.run(measure(server.port, commands=commands, concurrency=concurrency, slices=slices,
+                                          tag=f"r{round_}", on_phase=on_phase, pid=server.proc.pid,
+                                          floor=commands if instructions else None))
         finally:
             server.stop()
+        if instructions:
+            for phase, count in callgrind.PhaseCounter(0, counts).totals().items():
+                figures[phase]["instructions"] = count / figures[phase]["n"]
+        return figures
 
 
 def report(kind: str, round_: int, figures: dict[str, dict[str, Any]], target: float) -> None:
@@ -289,6 +301,20 @@ def report(kind: str, round_: int, figures: dict[str, dict[str, Any]], target: f
     print(f"[http/{kind}] round {round_}: " + "   ".join(parts) + f"   (target >= {target:.2f}x)", flush=True)
 
 
+def report_instructions(kind: str, round_: int, figures: dict[str, dict[str, Any]], target: float) -> None:
+    """Instructions per request (callgrind: user space, the same count for the same work on a busy machine)."""
+    floor = figures["healthz"]["instructions"]
+    parts = [f"healthz {floor / 1e3:7.1f}k instructions/req"]
+    for phase in ("join", "gift"):
+        f = figures[phase]
+        parts.append(f"{phase} {f['instructions'] / 1e3:7.1f}k/cmd = "
+                     f"healthz's / {phase}'s {floor / f['instructions']:.3f}x")
+        if f["failures"]:
+            parts.append(f"{phase} FAILURES: {f['failures']}")
+    print(f"[http/{kind} instructions] round {round_}: " + "   ".join(parts)
+          + f"   (the target, in rates: >= {target:.2f}x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default=",".join(SERVERS))
@@ -298,9 +324,16 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="directory for py-spy speedscope profiles")
     parser.add_argument("--slices", type=int, default=4,
                         help="each phase in this many slices, taken in turn with the others' (1 with --profile)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="run each server under valgrind's callgrind and print instructions per request instead "
+                             "of rates (bench/callgrind.py; use --commands 600 or so: ~50x slower)")
     args = parser.parse_args()
     if args.slices < 1:
         parser.error("--slices must be at least 1")
+    if args.instructions and args.profile:
+        parser.error("--instructions and --profile: one at a time")
+    if args.instructions and (missing := callgrind.available()):
+        parser.error(f"--instructions needs valgrind: missing {missing}")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
         args.slices = 1  # one profile a phase: the profiler writes a file per phase it is told of
@@ -311,8 +344,9 @@ def main() -> None:
     for round_ in range(1, args.rounds + 1):
         for kind in args.servers.split(","):
             figures = run_server(kind, commands=args.commands, concurrency=args.concurrency, round_=round_,
-                                 profile=args.profile, slices=args.slices)
-            report(kind, round_, figures, 0.5 if kind == "worker-off" else 0.25)
+                                 profile=args.profile, slices=args.slices, instructions=args.instructions)
+            target = 0.5 if kind == "worker-off" else 0.25
+            (report_instructions if args.instructions else report)(kind, round_, figures, target)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ delivered, every answer was 200) and that the ratio line is printed.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -95,3 +96,15 @@ def test_plot_is_well_formed_svg(backends: tuple[str, ...]) -> None:
                    "bare_p99": 0.5 + n} for n in (1, 2, 4)] for b in backends}
     root = ET.fromstring(plot.concurrency_svg(points, note="test"))
     assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 4 * len(backends)
+
+
+def test_http_commands_counts_instructions_under_callgrind() -> None:
+    """--instructions: the server runs under valgrind's callgrind, instructions counted per phase."""
+    out = run_bench("bench.http_commands", "--servers", "worker-off", "--commands", "48", "--concurrency", "8",
+                    "--slices", "2", "--instructions", timeout_s=300)
+    (line,) = [line for line in out.splitlines() if line.startswith("[http/worker-off instructions] round 1")]
+    assert "FAILURES" not in line
+    figures = dict(re.findall(r"(healthz|join|gift) +([\d.]+)k", line))
+    assert set(figures) == {"healthz", "join", "gift"}
+    # a command does the healthz's HTTP work and more: its count is larger, and none is nothing
+    assert 0 < float(figures["healthz"]) < float(figures["join"]) and float(figures["healthz"]) < float(figures["gift"])

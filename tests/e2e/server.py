@@ -44,6 +44,7 @@ class ServerProcess:
         port: int | None = None,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
         self.config = config  # None: no --config and no --data-dir, exactly as a newcomer runs it (from cwd)
         self.cwd = cwd
@@ -52,6 +53,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir / "server.log"
         self.env = env or {}  # added to the environment of the child
+        self.wrapper = wrapper or []  # put before the command line (bench: valgrind)
 
     @property
     def url(self) -> str:
@@ -60,7 +62,7 @@ class ServerProcess:
     def start(self, *, timeout_s: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         out = self.log.open("ab")
-        args = [sys.executable, "-m", "roomservice.cli", "serve", "--port", str(self.port)]
+        args = [*self.wrapper, sys.executable, "-m", "roomservice.cli", "serve", "--port", str(self.port)]
         if self.config is not None:
             args += ["--config", str(self.config), "--data-dir", str(self.data_dir)]
         self.proc = subprocess.Popen(
