@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Final
 
 from roomservice.observability.logging import get_logger, write_info_line
 from roomservice.observability.metrics import COMMAND_METRICS
@@ -84,8 +85,16 @@ class CommandTiming:
         )
 
 
+_EXACT_BELOW_MS: Final = 2.0**53 / 1000.0  # value * 1000 still an exact integer's neighbourhood (and no inf)
+
+
 def rounded_ms(value: float) -> float:
-    """``round(value, 3)``; a stage that did not run (0.0, most of them) skips the rounding's cost."""
+    """``value`` to the microsecond (three decimals), a half rounded up: what ``round(value, 3)``
+    gives but for a value exactly halfway, at half its cost (round() with digits goes through a
+    correctly rounded decimal conversion; ~3,000 instructions against ~1,600 here, and a command
+    rounds seven). A stage that did not run (0.0, most of them) is returned as it is."""
+    if 0.0 < value < _EXACT_BELOW_MS:
+        return int(value * 1000.0 + 0.5) / 1000.0
     return round(value, 3) if value else value
 
 
