@@ -51,6 +51,7 @@ class PhaseCounter:
         self.pid, self.out_dir = pid, out_dir
         self.current: str | None = None
         self.dumps = 0
+        self._names: dict[str, str] = {}  # a dump's token (no spaces) -> the phase's name
 
     def _control(self, *args: str) -> None:
         subprocess.run(["callgrind_control", *args, str(self.pid)], check=True, capture_output=True, timeout=120)
@@ -59,7 +60,9 @@ class PhaseCounter:
         """End the phase running (if any); start ``phase`` unless it is ``"done"``."""
         if self.current is not None:
             self.dumps += 1
-            self._control("-d", f"{self.current}#{self.dumps}")
+            token = re.sub(r"\W", "_", self.current)
+            self._names[token] = self.current
+            self._control("-d", f"{token}#{self.dumps}")
             self._control("-i", "off")
             self.current = None
         if phase == "done":
@@ -76,5 +79,6 @@ class PhaseCounter:
             trigger, summary = _TRIGGER.search(head), _SUMMARY.search(head)
             if trigger is None or summary is None:
                 continue
-            sums[trigger.group(1).split("#", 1)[0]] += int(summary.group(1))
+            token = trigger.group(1).split("#", 1)[0]
+            sums[self._names.get(token, token)] += int(summary.group(1))
         return dict(sums)

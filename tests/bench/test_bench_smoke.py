@@ -108,3 +108,13 @@ def test_http_commands_counts_instructions_under_callgrind() -> None:
     assert set(figures) == {"healthz", "join", "gift"}
     # a command does the healthz's HTTP work and more: its count is larger, and none is nothing
     assert 0 < float(figures["healthz"]) < float(figures["join"]) and float(figures["healthz"]) < float(figures["gift"])
+
+
+def test_command_pieces_times_and_counts_every_piece() -> None:
+    timed = run_bench("bench.command_pieces", "--loops", "20", "--members", "5")
+    counted = run_bench("bench.command_pieces", "--loops", "20", "--members", "5", "--instructions", timeout_s=300)
+    for out, unit in ((timed, "us"), (counted, "k instructions")):
+        figures = re.findall(rf"^  +(\S.*?) +([\d.]+) ?{unit}$", out, re.MULTILINE)
+        assert len(figures) == 13, out  # every piece, each with a figure
+        assert all(float(value) > 0 for _, value in figures)
+    assert "room view" in counted and "body: parse + validate" in counted
