@@ -269,17 +269,18 @@ def run_server(kind: str, *, commands: int, concurrency: int, round_: int, profi
         counts = Path(tmp) / "callgrind"
         counts.mkdir()
         server = start_server(kind, Path(tmp), callgrind.callgrind_prefix(counts) if instructions else None)
+        counter: callgrind.PhaseCounter | None = None
         try:
             assert server.proc is not None
-            on_phase = (callgrind.PhaseCounter(server.proc.pid, counts) if instructions
-                        else Profiler(server.proc.pid, profile, f"{kind}-r{round_}")).phase
+            counter = callgrind.PhaseCounter(server.proc.pid, counts) if instructions else None
+            on_phase = (counter or Profiler(server.proc.pid, profile, f"{kind}-r{round_}")).phase
             figures = asyncio.run(measure(server.port, commands=commands, concurrency=concurrency, slices=slices,
                                           tag=f"r{round_}", on_phase=on_phase, pid=server.proc.pid,
                                           floor=commands if instructions else None))
         finally:
             server.stop()
-        if instructions:
-            for phase, count in callgrind.PhaseCounter(0, counts).totals().items():
+        if counter is not None:
+            for phase, count in counter.totals().items():
                 figures[phase]["instructions"] = count / figures[phase]["n"]
         return figures
 
