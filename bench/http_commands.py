@@ -198,6 +198,7 @@ async def measure(port: int, *, commands: int, concurrency: int, tag: str, slice
                 on_phase(phase)
                 cpu = cpu_seconds(pid) if pid else 0.0
                 done = await drive(clients, share)
+                on_phase("done")  # the phase ends with its requests: a wait or warm-up after it is not in it
                 total = totals[phase]
                 total["seconds"] += len(share) / done["rate"]
                 total["latencies"] += done["latencies"]

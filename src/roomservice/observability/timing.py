@@ -85,7 +85,7 @@ class CommandTiming:
         )
 
 
-_EXACT_BELOW_MS: Final = 2.0**53 / 1000.0  # value * 1000 still an exact integer's neighbourhood (and no inf)
+_EXACT_BELOW_MS: Final = 2.0**52 / 1000.0  # below it, value * 1000 + 0.5 is exact when it is a half (and no inf)
 
 
 def rounded_ms(value: float) -> float:
