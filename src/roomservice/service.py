@@ -106,6 +106,16 @@ def stored_timing(timing: CommandTiming) -> dict[str, float | bool]:
     }
 
 
+def answer_body(state: RoomState, events: list[e.Event], *, now_ms: int, level_count: int) -> Answer:
+    """A command's answer: the room after it, its version and events, encoded once (:class:`Answer`)."""
+    return Answer({
+        "room": room_view(state, now_ms=now_ms, level_count=level_count),
+        "version": state.version,
+        "events": [{"event_id": ev.event_id, "type": ev.type} for ev in events],
+        "replayed": False,
+    })
+
+
 class GroupProvisioner(Protocol):
     """Creates a room's IM group synchronously on CreateRoom (best effort, timed)."""
 
@@ -258,7 +268,7 @@ class RoomService:
                 )
             timing.wallet_debit_ms = watch.lap()
 
-        body = self._body(after, events, now_ms)
+        body = answer_body(after, events, now_ms=now_ms, level_count=len(self.rules.treasure_levels))
         mutation = Mutation(
             app_code=app_code,
             room_id=room_id,
@@ -343,14 +353,6 @@ class RoomService:
             raise errors.CommandIdReused()
         timing.replayed = True
         return {**logged.response, "replayed": True}
-
-    def _body(self, state: RoomState, events: list[e.Event], now_ms: int) -> Answer:
-        return Answer({
-            "room": room_view(state, now_ms=now_ms, level_count=len(self.rules.treasure_levels)),
-            "version": state.version,
-            "events": [{"event_id": ev.event_id, "type": ev.type} for ev in events],
-            "replayed": False,
-        })
 
     async def _debit(self, app_code: str, room_id: str, command_id: str, gift: e.RoomGiftSent, now_ms: int) -> None:
         key = debit_key(app_code, room_id, command_id)
