@@ -64,15 +64,13 @@ from roomservice.wallet.port import (
 _log = get_logger("roomservice.service")
 
 
-_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # the version nibble and the variant's two bits
-_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
-
-
 def new_event_id() -> str:
     """A random UUID4 in hex: ``uuid.uuid4().hex`` (the same 122 random bits from ``os.urandom``)
-    without building a UUID object, a third of its cost; one or more per command (issue 12)."""
-    bits = int.from_bytes(os.urandom(16), "big")
-    return f"{(bits & _UUID4_CLEAR) | _UUID4_SET:032x}"
+    without building a UUID object or an int, a sixth of its cost; one or more per command (issue 12)."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4
+    raw[8] = raw[8] & 0x3F | 0x80  # the RFC 4122 variant
+    return raw.hex()
 
 
 def fingerprint(command: c.Command, fields: dict[str, Any] | None = None) -> str:

@@ -20,6 +20,12 @@ def test_an_event_id_is_a_random_uuid4_in_hex() -> None:
         assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and parsed.hex == event_id
 
 
+@pytest.mark.parametrize("raw", [bytes(16), b"\xff" * 16, bytes(range(16)), bytes(range(240, 256))])
+def test_an_event_id_is_uuid4_of_the_random_bytes(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("roomservice.service.os.urandom", lambda n: raw[:n])
+    assert new_event_id() == uuid.UUID(bytes=raw, version=4).hex
+
+
 def _state() -> RoomState:
     return RoomState(
         app_code="a", room_id="r", owner_id="o", title="t", seat_count=2, created_at_ms=1, version=3,
@@ -37,6 +43,14 @@ def test_with_is_dataclasses_replace(changes: dict[str, object]) -> None:
     assert changed == dataclasses.replace(state, **changes)  # type: ignore[arg-type]
     assert changed is not state
     assert state == _state()  # the original is untouched
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(RoomState)])
+def test_with_copies_every_field_and_changes_the_one_named(name: str) -> None:
+    state, marker = _state(), object()
+    changed = state.with_(**{name: marker})
+    for f in dataclasses.fields(RoomState):
+        assert getattr(changed, f.name) is (marker if f.name == name else getattr(state, f.name))
 
 
 def test_with_refuses_a_field_the_state_does_not_have() -> None:

@@ -79,15 +79,26 @@ class RoomState:
         return "owner" if user_id == self.owner_id else "member"
 
     def with_(self, **changes: Any) -> RoomState:
-        """This state with ``changes``: ``dataclasses.replace`` without its per-call field walk
-        (every event copies the state once; replace was ~5 us of it, issue 12)."""
+        """This state with ``changes``: ``dataclasses.replace`` without its per-call field walk, written
+        out field by field (every event copies the state once; replace was ~5 us of it, a loop over
+        the fields 2.5 us, this 1.3 us; issue 12). A field added to RoomState is added here too."""
         if not changes.keys() <= _STATE_FIELDS:
             raise TypeError(f"RoomState has no field {sorted(changes.keys() - _STATE_FIELDS)[0]!r}")
+        get = changes.get
         copy = object.__new__(RoomState)
-        for name in _STATE_FIELD_ORDER:
-            object.__setattr__(copy, name, getattr(self, name))
-        for name, value in changes.items():
-            object.__setattr__(copy, name, value)
+        _set(copy, "app_code", get("app_code", self.app_code))
+        _set(copy, "room_id", get("room_id", self.room_id))
+        _set(copy, "owner_id", get("owner_id", self.owner_id))
+        _set(copy, "title", get("title", self.title))
+        _set(copy, "seat_count", get("seat_count", self.seat_count))
+        _set(copy, "created_at_ms", get("created_at_ms", self.created_at_ms))
+        _set(copy, "version", get("version", self.version))
+        _set(copy, "status", get("status", self.status))
+        _set(copy, "members", get("members", self.members))
+        _set(copy, "seats", get("seats", self.seats))
+        _set(copy, "bans", get("bans", self.bans))
+        _set(copy, "heat", get("heat", self.heat))
+        _set(copy, "treasure", get("treasure", self.treasure))
         return copy
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,5 +152,5 @@ class RoomState:
         )
 
 
-_STATE_FIELD_ORDER = tuple(f.name for f in fields(RoomState))
-_STATE_FIELDS = frozenset(_STATE_FIELD_ORDER)
+_STATE_FIELDS = frozenset(f.name for f in fields(RoomState))
+_set = object.__setattr__  # a frozen dataclass's fields are set through object's own setattr
