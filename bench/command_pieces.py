@@ -82,6 +82,10 @@ def pieces(members: int) -> dict[str, Callable[[], Any]]:
         view._recent[key] = before_entries
         return answer()
 
+    def cold_answer() -> Answer:  # the room not among the last rooms answered: every entry built
+        view._recent.pop(key, None)
+        return answer()
+
     def join_view() -> dict[str, Any]:
         view._recent[key] = before_entries
         return room_view(after, now_ms=NOW, level_count=levels)
@@ -108,7 +112,8 @@ def pieces(members: int) -> dict[str, Callable[[], Any]]:
     return {
         "answer (view + encoding)": join_answer,
         "  room view": join_view,
-        "  answer, a gift's (members as last)": answer,
+        "  answer, members as last (gift)": answer,
+        "  answer, room not in the cache": cold_answer,
         "decide": lambda: decide(before, join, now_ms=NOW, rules=rules),
         "stamp": lambda: stamp(payloads, state=before, app_code=APP, room_id=ROOM, now_ms=NOW,
                                new_event_id=new_event_id),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from itertools import islice
 from typing import Any, Final
@@ -53,13 +54,15 @@ def room_view(state: RoomState, *, now_ms: int, level_count: int) -> dict[str, A
 _ENTRY_ROOMS: Final = 256
 Entries = list[dict[str, Any]]
 _recent: dict[tuple[str, str], tuple[dict[str, int], str, Entries, tuple[str | None, ...], Entries]] = {}
+_recent_lock = threading.Lock()  # views are built on event loops, but nothing stops two threads
 
 
 def _entries(state: RoomState) -> tuple[Entries, Entries]:
     """New lists of the view's member and seat entries, sharing the entries still the same."""
     key = (state.app_code, state.room_id)
     members, owner_id, seats = state.members, state.owner_id, state.seats
-    cached = _recent.pop(key, None)  # put back below, as the room answered last
+    with _recent_lock:
+        cached = _recent.pop(key, None)  # put back below, as the room answered last
     if cached is None:
         member_entries, seat_entries = _member_entries(members.items(), owner_id), _seat_entries(seats)
     else:
@@ -75,9 +78,10 @@ def _entries(state: RoomState) -> tuple[Entries, Entries]:
             member_entries = _member_entries(members.items(), owner_id)
         if known_seats is not seats:
             seat_entries = _seat_entries(seats)
-    if len(_recent) >= _ENTRY_ROOMS:
-        del _recent[next(iter(_recent))]  # the room answered longest ago
-    _recent[key] = (members, owner_id, member_entries, seats, seat_entries)
+    with _recent_lock:
+        while len(_recent) >= _ENTRY_ROOMS:
+            del _recent[next(iter(_recent))]  # the room answered longest ago
+        _recent[key] = (members, owner_id, member_entries, seats, seat_entries)
     return list(member_entries), list(seat_entries)
 
 

@@ -23,6 +23,7 @@ from roomservice.domain.decider import decide, evolve, replay, stamp
 from roomservice.domain.limits import MAX_TREASURE_RECIPIENTS
 from roomservice.domain.rules import Gift, RoomRules
 from roomservice.domain.state import CLOSED, RoomState, day_label, utc_day
+from roomservice.domain.view import room_view
 
 APP, ROOM = "app_1", "room-1"
 USERS = ["u0", "u1", "u2", "u3", "u4", "u5"]
@@ -151,6 +152,13 @@ def expected_wake(state: RoomState, cmd: c.OpenTreasure, now_ms: int) -> str:
 
 
 def check_invariants(state: RoomState, log: list[e.Event], now_ms: int) -> None:
+    # The view lists what the state holds (its entries are reused from the room's last view).
+    shown = room_view(state, now_ms=now_ms, level_count=len(LEVELS))
+    assert shown["members"] == [
+        {"user_id": u, "role": "owner" if u == state.owner_id else "member", "joined_at_ms": at}
+        for u, at in state.members.items()
+    ]
+    assert shown["seats"] == [{"index": i, "user_id": holder} for i, holder in enumerate(state.seats)]
     # Seats: a user holds at most one seat, and only members hold seats.
     holders = [h for h in state.seats if h is not None]
     assert len(holders) == len(set(holders)), state.seats

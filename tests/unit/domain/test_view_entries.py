@@ -4,6 +4,8 @@ what building them afresh from the state gives, and no later view changes an ear
 from __future__ import annotations
 
 import copy
+import sys
+import threading
 from typing import Any
 
 import pytest
@@ -95,3 +97,30 @@ def test_a_view_lists_are_its_own() -> None:
     first["seats"].clear()
     again = room_view(state, now_ms=5, level_count=3)
     assert again["members"] == _fresh(state)["members"] and again["seats"] == _fresh(state)["seats"]
+
+
+def test_views_built_on_several_threads_at_once_are_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(view, "_recent", {})
+    monkeypatch.setattr(view, "_ENTRY_ROOMS", 4)  # rooms evicted all the time, from every thread
+    failures: list[BaseException] = []
+
+    def build(worker: int) -> None:
+        try:
+            for n in range(2_000):
+                state = _apply(_room(f"r{worker}-{n % 7}"), ("join", USERS[n % len(USERS)], n))
+                shown = room_view(state, now_ms=5, level_count=3)
+                assert shown["members"] == _fresh(state)["members"]
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=build, args=(w,)) for w in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between almost every two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == [] and len(view._recent) <= 4
