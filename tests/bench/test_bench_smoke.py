@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -22,17 +24,57 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(*args: str, timeout_s: float = 120) -> str:
-    proc = subprocess.run(
+    proc, out, err = _bench(args, timeout_s)
+    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+    return out
+
+
+def _bench(
+    args: tuple[str, ...], timeout_s: float, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], str, str]:
+    """Run ``python -m *args`` in a session of its own: past ``timeout_s`` the whole session is killed,
+    the bench and every server it started (one under valgrind outlives a killed parent), then the
+    test fails."""
+    with subprocess.Popen(
         [sys.executable, "-m", *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{args[0]} ran past {timeout_s} s (its session killed):\n{out[-3000:]}\n{err[-3000:]}")
+    return proc, out, err
+
+
+def _processes_with(marker: str) -> list[int]:
+    """The processes whose environment holds ``marker`` (from /proc; a zombie has none)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"{marker}=1".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_a_bench_past_its_timeout_leaves_no_server_running() -> None:
+    marker = f"ROOMBENCH_SMOKE_{os.getpid()}_{time.monotonic_ns()}"  # inherited by the bench's servers
+    # a server under valgrind takes far longer than 8 s to answer its first requests
+    args = ("bench.http_commands", "--servers", "worker-off", "--commands", "50", "--instructions")
+    with pytest.raises(pytest.fail.Exception, match="ran past 8 s"):
+        _bench(args, 8, env={marker: "1"})
+    deadline = time.monotonic() + 10
+    while (left := _processes_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == []
 
 
 def test_command_path_prints_the_bare_driver_ratio() -> None:
