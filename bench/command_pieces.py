@@ -79,15 +79,15 @@ def pieces(members: int) -> dict[str, Callable[[], Any]]:
     before_entries = view._recent[key]  # what the cache holds after the view of the room before the join
 
     def join_answer() -> Answer:
-        view._recent[key] = before_entries
+        view._keep(key, before_entries)
         return answer()
 
     def cold_answer() -> Answer:  # the room not among the last rooms answered: every entry built
-        view._recent.pop(key, None)
+        view._take(key)
         return answer()
 
     def join_view() -> dict[str, Any]:
-        view._recent[key] = before_entries
+        view._keep(key, before_entries)
         return room_view(after, now_ms=NOW, level_count=levels)
 
     timing = CommandTiming(command="JoinRoom", app_code=APP, room_id=ROOM, command_id="j1", version=after.version,

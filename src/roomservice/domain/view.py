@@ -50,10 +50,15 @@ def room_view(state: RoomState, *, now_ms: int, level_count: int) -> dict[str, A
 # state's members and seats are never changed in place, and a join appends one member, so
 # entries built for one state serve the next: the same dict (a gift, a mic) or one that starts
 # with the same members (a join). Entry dicts are shared by the answers that list them; an answer
-# is never changed once built (store.port.Answer). Bounded: the rooms answered most recently.
+# is never changed once built (store.port.Answer). Bounded: the rooms answered most recently, at
+# most _ENTRY_ROOMS of them and _ENTRY_LIMIT entries in all (~250 bytes an entry; a room with more
+# members than that is not kept).
 _ENTRY_ROOMS: Final = 256
+_ENTRY_LIMIT: Final = 100_000
 Entries = list[dict[str, Any]]
-_recent: dict[tuple[str, str], tuple[dict[str, int], str, Entries, tuple[str | None, ...], Entries]] = {}
+Kept = tuple[dict[str, int], str, Entries, tuple[str | None, ...], Entries]
+_recent: dict[tuple[str, str], Kept] = {}
+_held = [0]  # entries in _recent, member and seat
 _recent_lock = threading.Lock()  # views are built on event loops, but nothing stops two threads
 
 
@@ -61,8 +66,7 @@ def _entries(state: RoomState) -> tuple[Entries, Entries]:
     """New lists of the view's member and seat entries, sharing the entries still the same."""
     key = (state.app_code, state.room_id)
     members, owner_id, seats = state.members, state.owner_id, state.seats
-    with _recent_lock:
-        cached = _recent.pop(key, None)  # put back below, as the room answered last
+    cached = _take(key)
     if cached is None:
         member_entries, seat_entries = _member_entries(members.items(), owner_id), _seat_entries(seats)
     else:
@@ -78,11 +82,33 @@ def _entries(state: RoomState) -> tuple[Entries, Entries]:
             member_entries = _member_entries(members.items(), owner_id)
         if known_seats is not seats:
             seat_entries = _seat_entries(seats)
-    with _recent_lock:
-        while len(_recent) >= _ENTRY_ROOMS:
-            del _recent[next(iter(_recent))]  # the room answered longest ago
-        _recent[key] = (members, owner_id, member_entries, seats, seat_entries)
+    _keep(key, (members, owner_id, member_entries, seats, seat_entries))
     return list(member_entries), list(seat_entries)
+
+
+def _take(key: tuple[str, str]) -> Kept | None:
+    """The entries kept for the room ``key``, taken out (put back by :func:`_keep` once used)."""
+    with _recent_lock:
+        kept = _recent.pop(key, None)
+        if kept is not None:
+            _held[0] -= len(kept[2]) + len(kept[4])
+    return kept
+
+
+def _keep(key: tuple[str, str], kept: Kept) -> None:
+    """Keep ``kept`` as the room answered last, the rooms answered longest ago dropped to stay in bounds."""
+    size = len(kept[2]) + len(kept[4])
+    if size > _ENTRY_LIMIT:
+        return
+    with _recent_lock:
+        replaced = _recent.pop(key, None)  # kept meanwhile by a view of the room on another thread
+        if replaced is not None:
+            _held[0] -= len(replaced[2]) + len(replaced[4])
+        while _recent and (len(_recent) >= _ENTRY_ROOMS or _held[0] + size > _ENTRY_LIMIT):
+            dropped = _recent.pop(next(iter(_recent)))
+            _held[0] -= len(dropped[2]) + len(dropped[4])
+        _recent[key] = kept
+        _held[0] += size
 
 
 def _member_entries(members: Iterable[tuple[str, int]], owner_id: str) -> Entries:

@@ -70,13 +70,21 @@ OPS = st.tuples(st.sampled_from(["join", "leave", "owner", "seat", "rejoined", "
                 st.sampled_from(USERS), st.integers(0, 5))
 
 
+def _held_as_counted() -> int:
+    return sum(len(kept[2]) + len(kept[4]) for kept in view._recent.values())
+
+
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from(["r1", "r2", "r3"]), OPS), max_size=40),
-       bound=st.sampled_from([1, 2, 256]))
-def test_every_view_lists_what_the_state_holds(steps: list[tuple[str, tuple[str, str, int]]], bound: int) -> None:
+       bound=st.sampled_from([1, 2, 256]), limit=st.sampled_from([6, 12, 100_000]))
+def test_every_view_lists_what_the_state_holds(
+    steps: list[tuple[str, tuple[str, str, int]]], bound: int, limit: int
+) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(view, "_recent", {})
+        patch.setattr(view, "_held", [0])
         patch.setattr(view, "_ENTRY_ROOMS", bound)
+        patch.setattr(view, "_ENTRY_LIMIT", limit)  # seats are 3 entries, members 1 to ~20
         rooms = {room_id: _room(room_id) for room_id in ("r1", "r2", "r3")}
         answered: list[tuple[dict[str, Any], dict[str, Any]]] = []
         for room_id, op in steps:
@@ -85,7 +93,7 @@ def test_every_view_lists_what_the_state_holds(steps: list[tuple[str, tuple[str,
             expected = _fresh(state)
             assert shown["members"] == expected["members"] and shown["seats"] == expected["seats"]
             answered.append((shown, copy.deepcopy(shown)))
-            assert len(view._recent) <= bound
+            assert len(view._recent) <= bound and view._held[0] == _held_as_counted() <= limit
         for shown, as_it_was in answered:  # an answer given earlier still says what it said
             assert shown == as_it_was
 
@@ -101,13 +109,14 @@ def test_a_view_lists_are_its_own() -> None:
 
 def test_views_built_on_several_threads_at_once_are_right(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(view, "_recent", {})
+    monkeypatch.setattr(view, "_held", [0])
     monkeypatch.setattr(view, "_ENTRY_ROOMS", 4)  # rooms evicted all the time, from every thread
     failures: list[BaseException] = []
 
     def build(worker: int) -> None:
         try:
             for n in range(2_000):
-                state = _apply(_room(f"r{worker}-{n % 7}"), ("join", USERS[n % len(USERS)], n))
+                state = _apply(_room(f"r{(worker + n) % 7}"), ("join", USERS[n % len(USERS)], n))  # rooms shared
                 shown = room_view(state, now_ms=5, level_count=3)
                 assert shown["members"] == _fresh(state)["members"]
         except BaseException as exc:
@@ -123,4 +132,15 @@ def test_views_built_on_several_threads_at_once_are_right(monkeypatch: pytest.Mo
             t.join()
     finally:
         sys.setswitchinterval(interval)
-    assert failures == [] and len(view._recent) <= 4
+    assert failures == [] and len(view._recent) <= 4 and view._held[0] == _held_as_counted()
+
+
+def test_a_room_bigger_than_the_limit_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(view, "_recent", {})
+    monkeypatch.setattr(view, "_held", [0])
+    monkeypatch.setattr(view, "_ENTRY_LIMIT", 10)
+    small = _room("small")
+    big = _room("big").with_(members={f"m{i}": i for i in range(20)})
+    assert room_view(small, now_ms=5, level_count=3)["members"] == _fresh(small)["members"]
+    assert room_view(big, now_ms=5, level_count=3)["members"] == _fresh(big)["members"]
+    assert list(view._recent) == [("a", "small")] and view._held[0] == 1 + 3  # one member, three seats
