@@ -91,24 +91,28 @@ def _take(key: tuple[str, str]) -> Kept | None:
     with _recent_lock:
         kept = _recent.pop(key, None)
         if kept is not None:
-            _held[0] -= len(kept[2]) + len(kept[4])
+            _held[0] -= _size(kept)
     return kept
 
 
 def _keep(key: tuple[str, str], kept: Kept) -> None:
     """Keep ``kept`` as the room answered last, the rooms answered longest ago dropped to stay in bounds."""
-    size = len(kept[2]) + len(kept[4])
+    size = _size(kept)
     if size > _ENTRY_LIMIT:
         return
     with _recent_lock:
         replaced = _recent.pop(key, None)  # kept meanwhile by a view of the room on another thread
         if replaced is not None:
-            _held[0] -= len(replaced[2]) + len(replaced[4])
+            _held[0] -= _size(replaced)
         while _recent and (len(_recent) >= _ENTRY_ROOMS or _held[0] + size > _ENTRY_LIMIT):
-            dropped = _recent.pop(next(iter(_recent)))
-            _held[0] -= len(dropped[2]) + len(dropped[4])
+            _held[0] -= _size(_recent.pop(next(iter(_recent))))
         _recent[key] = kept
         _held[0] += size
+
+
+def _size(kept: Kept) -> int:
+    """The entries ``kept`` holds: its members' and its seats'."""
+    return len(kept[2]) + len(kept[4])
 
 
 def _member_entries(members: Iterable[tuple[str, int]], owner_id: str) -> Entries:

@@ -159,12 +159,9 @@ def _guarded_updates_from_values(rooms: int) -> TextClause:
     column = {name: f"v.column{n}" for n, name in enumerate(names, start=1)}
     rows = ", ".join("(" + ", ".join(f":{name}{i}" for name in names) + ")" for i in range(rooms))
     sets = ", ".join(f"{name} = {column[name]}" for name in _CHANGED_COLUMNS)
-    return text(
-        f"UPDATE {_meta.name} SET {sets} FROM (VALUES {rows}) AS v"
-        f" WHERE {_meta.name}.app_code = {column['b_app_code']} AND {_meta.name}.room_id = {column['b_room_id']}"
-        f" AND {_meta.name}.version = {column['b_expected_version']}"
-        f" AND {_meta.name}.lease_epoch = {column['b_epoch']}"
-    )
+    guarded = zip(("app_code", "room_id", "version", "lease_epoch"), _GUARD_KEYS, strict=True)
+    where = " AND ".join(f"{_meta.name}.{name} = {column[key]}" for name, key in guarded)
+    return text(f"UPDATE {_meta.name} SET {sets} FROM (VALUES {rows}) AS v WHERE {where}")
 
 
 _INSERT_COMMAND: Final = insert(_log)
