@@ -96,6 +96,14 @@ def test_outbox_drain_runs() -> None:
     out = run_bench("bench.outbox_drain", "--backend", "sqlite", "--rows", "300", "--workers", "1",
                     "--rate", "50", "--seconds", "1", "--idle-seconds", "0")
     assert "(bare driver)" in out and "bare claim+finish cycle" in out and "us a row" in out
+    assert "a row may cost" in out  # what 0.9x leaves the worker above the bare loop's CPU a row
+
+
+def test_drain_allowance_is_what_the_target_leaves_above_the_bare_cpu() -> None:
+    from bench.outbox_drain import allowance
+
+    assert "may cost 1.0 us" in allowance(9.0)  # 9.0 / 0.9 = 10.0 us a row: 1.0 above the bare loop's
+    assert "may cost 9.0 us" in allowance(9.0, target=0.5)
 
 
 def test_http_commands_runs() -> None:
