@@ -497,6 +497,77 @@ async def test_a_batch_cancelled_while_its_runners_start_leaves_no_publish_behin
     assert asyncio.all_tasks() == before
 
 
+class PairedPublisher:
+    """Answers only once its partner target has been asked for the same row too (both must be in
+    flight at once); records the task each attempt ran in. ``hang``: never answers (a shutdown test)."""
+
+    def __init__(self, name: str, met: dict[str, asyncio.Event], *, hang: bool = False) -> None:
+        self.name, self.met, self.hang = name, met, hang
+        self.tasks: list[asyncio.Task[object] | None] = []
+        self.ended = 0
+
+    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+        self.tasks.append(asyncio.current_task())
+        self.met.setdefault(f"{event.event_id}/{self.name}", asyncio.Event()).set()
+        partner = "im" if self.name == "activity" else "activity"
+        await self.met.setdefault(f"{event.event_id}/{partner}", asyncio.Event()).wait()
+        if self.hang:
+            await asyncio.sleep(3600)
+        self.ended += 1
+
+
+def paired_worker(
+    database: Database, clock: Clock, *, hang: bool = False
+) -> tuple[OutboxWorker, PairedPublisher, PairedPublisher]:
+    met: dict[str, asyncio.Event] = {}
+    im, activity = PairedPublisher("im", met, hang=hang), PairedPublisher("activity", met, hang=hang)
+    worker = OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({"im": im, "activity": activity}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=50, publish_concurrency=4, publish_timeout_s=30.0),
+        clock=clock,
+    )
+    return worker, im, activity
+
+
+async def test_a_rows_targets_are_published_side_by_side_the_first_in_the_batchs_task(
+    database: Database, clock: Clock
+) -> None:
+    """A row for IM and activity is published to both at once (each publisher here answers only
+    once the other has the row too: one after the other would wait out publish_timeout); the first
+    target (by name: activity) runs in the worker's own task, only the other in a task of its own."""
+    await insert_rows(database, make_event(JOINED))
+    worker, im, activity = paired_worker(database, clock)
+    batch = asyncio.create_task(worker.run_once())
+    assert await asyncio.wait_for(batch, timeout=10) == 1
+    assert await delivered_in_all(database) == 1
+    assert activity.tasks == [batch]  # (one room: its lane runs in the batch's task)
+    assert len(im.tasks) == 1 and im.tasks[0] is not batch
+
+
+async def test_a_row_cancelled_while_its_targets_publish_leaves_no_publish_behind(
+    database: Database, clock: Clock
+) -> None:
+    """Cancelled (a shutdown) while both of a row's targets are in flight: the target published in
+    a task of its own is cancelled with the batch, and no task of the batch is left."""
+    await insert_rows(database, make_event(JOINED))
+    worker, im, activity = paired_worker(database, clock, hang=True)
+    before = asyncio.all_tasks()
+    batch = asyncio.create_task(worker.run_once())
+    deadline = time.monotonic() + 10
+    while not (im.tasks and activity.tasks) and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    assert im.tasks and activity.tasks  # both in flight
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    for _ in range(50):  # turns of the loop for anything the batch left scheduled
+        await asyncio.sleep(0)
+    assert asyncio.all_tasks() == before
+    assert im.ended == activity.ended == 0
+
+
 async def delivered_in_all(db: Database) -> int:
     async with db.read() as conn:
         n = await conn.scalar(
