@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -15,7 +16,7 @@ from tests.service.conftest import T0, Clock
 
 from roomservice.domain import events as e
 from roomservice.observability.logging import get_logger
-from roomservice.outbox.model import BROKER, PublishMode
+from roomservice.outbox.model import BROKER, ClaimedRow, PublishMode
 from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.repository import OutboxRepository
 from roomservice.outbox.sql import SqlOutboxRepository
@@ -267,6 +268,38 @@ async def test_wake_delivers_without_waiting_for_the_poll(
             while (await row(database, ev.event_id)).status != "delivered":
                 await asyncio.sleep(0.01)
     assert im.delivered == [ev.event_id]
+
+
+class ClaimCounting(SqlOutboxRepository):
+    """The SQL repository, counting the claims begun and ended."""
+
+    begun = ended = 0
+
+    async def claim_due(self, **kwargs: Any) -> list[ClaimedRow]:
+        self.begun += 1
+        try:
+            return await super().claim_due(**kwargs)
+        finally:
+            self.ended += 1
+
+
+async def test_a_wake_up_reaches_the_idle_worker_on_the_loops_next_turn(
+    database: Database, make_worker: WorkerFactory
+) -> None:
+    """Commit -> delivered starts with the wake-up: an idle worker claims on the loop's very next turn
+    after wake() (waiting under wait_for, the wait's own task and wait_for's waiter took two more)."""
+    repository = ClaimCounting(database)
+    worker = make_worker(poll_interval_s=60, repository=repository)
+    async with worker:
+        async with asyncio.timeout(10):
+            while not repository.ended:  # its first claim (nothing to claim) is over
+                await asyncio.sleep(0.001)
+        for _ in range(20):  # into its idle wait
+            await asyncio.sleep(0)
+        assert repository.begun == 1
+        worker.wake()
+        await asyncio.sleep(0)  # one turn: the worker's, scheduled by wake(), runs before this task's
+        assert repository.begun == 2
 
 
 async def test_shutdown_hands_unfinished_claims_back(

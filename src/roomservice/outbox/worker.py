@@ -297,8 +297,12 @@ class OutboxWorker:
                 break
             if taken >= self.options.batch_size or self._wakeup.is_set() or self._carried or self._deferred:
                 continue  # more may be waiting or was handed back, the last finish claimed some, or someone committed
+            # asyncio.timeout, not wait_for: wait_for ran the wait in a task of its own, so a wake-up
+            # reached this task three turns of the loop after set() (the wait's task, wait_for's
+            # waiter, this task) instead of one
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), timeout=self.options.poll_interval_s)
+                async with asyncio.timeout(self.options.poll_interval_s):
+                    await self._wakeup.wait()
         _log.info("outbox_worker_stopped", owner=self.owner)
 
     async def shutdown(self, *, grace_s: float = 0.0) -> None:
