@@ -537,7 +537,7 @@ class PairedPublisher:
     def __init__(self, name: str, met: dict[str, asyncio.Event], *, hang: bool = False) -> None:
         self.name, self.met, self.hang = name, met, hang
         self.tasks: list[asyncio.Task[object] | None] = []
-        self.ended = 0
+        self.ended = self.abandoned = 0
 
     async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
         self.tasks.append(asyncio.current_task())
@@ -545,7 +545,13 @@ class PairedPublisher:
         partner = "im" if self.name == "activity" else "activity"
         await self.met.setdefault(f"{event.event_id}/{partner}", asyncio.Event()).wait()
         if self.hang:
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:  # abandoning its request takes it a few turns of the loop
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                self.abandoned += 1
+                raise
         self.ended += 1
 
 
@@ -583,7 +589,8 @@ async def test_a_row_cancelled_while_its_targets_publish_leaves_no_publish_behin
     database: Database, clock: Clock
 ) -> None:
     """Cancelled (a shutdown) while both of a row's targets are in flight: the target published in
-    a task of its own is cancelled with the batch, and no task of the batch is left."""
+    a task of its own is cancelled with the batch, and has ended (abandoned its request) by the
+    time the batch's cancellation has: no publish of the row outlives it, no task of it is left."""
     await insert_rows(database, make_event(JOINED))
     worker, im, activity = paired_worker(database, clock, hang=True)
     before = asyncio.all_tasks()
@@ -595,6 +602,7 @@ async def test_a_row_cancelled_while_its_targets_publish_leaves_no_publish_behin
     batch.cancel()
     with pytest.raises(asyncio.CancelledError):
         await batch
+    assert im.abandoned == activity.abandoned == 1  # both ended before the batch did
     for _ in range(50):  # turns of the loop for anything the batch left scheduled
         await asyncio.sleep(0)
     assert asyncio.all_tasks() == before

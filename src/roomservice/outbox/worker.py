@@ -644,7 +644,8 @@ class OutboxWorker:
         task, each other in a task of its own started before it. ``asyncio.gather`` made a task of the
         first as well, whose first step waited for the loop's next turn; to targets that answer at
         once (direct mode's IM and activity, in process) that was a task and a turn a row (issue 12:
-        a one-row batch to two such targets, 65-72 -> 51-53 us of CPU). Cancelled, it cancels them."""
+        a one-row batch to two such targets, 65-72 -> 51-53 us of CPU). Cancelled, it cancels them and
+        waits for them to end."""
         loop = asyncio.get_running_loop()
         others = [
             loop.create_task(self._publish(target, publisher, row, event))
@@ -657,6 +658,8 @@ class OutboxWorker:
         except BaseException:  # (cancelled: _publish returns every failure of a publish as its result)
             for task in others:
                 task.cancel()
+            # as gather did: the row's publishes have ended when this does (its claim may be handed back next)
+            await asyncio.gather(*others, return_exceptions=True)
             raise
         return results
 
