@@ -270,6 +270,25 @@ async def test_wake_delivers_without_waiting_for_the_poll(
     assert im.delivered == [ev.event_id]
 
 
+async def test_a_row_cancelled_while_its_later_target_publishes_is_cancelled_whatever_that_target_says(
+    database: Database, clock: Clock
+) -> None:
+    """Cancelled once the first target (activity) answered, while IM still waits: the batch ends
+    cancelled even though IM's publisher reports the abandoned request as an ordinary failure
+    (awaiting IM's task directly, its result would have swallowed the batch's cancellation)."""
+    await insert_rows(database, make_event(JOINED))
+    worker, im, activity = paired_worker(database, clock, im_only=True)
+    batch = asyncio.create_task(worker.run_once())
+    deadline = time.monotonic() + 10
+    while not (im.tasks and activity.ended) and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    assert im.tasks and activity.ended == 1  # the first answered, the second still in flight
+    batch.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    assert im.abandoned == 1
+
+
 class ClaimCounting(SqlOutboxRepository):
     """The SQL repository, counting the claims begun and ended."""
 
@@ -534,8 +553,8 @@ class PairedPublisher:
     """Answers only once its partner target has been asked for the same row too (both must be in
     flight at once); records the task each attempt ran in. ``hang``: never answers (a shutdown test)."""
 
-    def __init__(self, name: str, met: dict[str, asyncio.Event], *, hang: bool = False) -> None:
-        self.name, self.met, self.hang = name, met, hang
+    def __init__(self, name: str, met: dict[str, asyncio.Event], *, hang: bool = False, swallow: bool = False) -> None:
+        self.name, self.met, self.hang, self.swallow = name, met, hang, swallow
         self.tasks: list[asyncio.Task[object] | None] = []
         self.ended = self.abandoned = 0
 
@@ -551,15 +570,19 @@ class PairedPublisher:
                 for _ in range(3):
                     await asyncio.sleep(0)
                 self.abandoned += 1
+                if self.swallow:  # a publisher that reports its abandoned request as a failure
+                    raise RuntimeError("request abandoned") from None
                 raise
         self.ended += 1
 
 
 def paired_worker(
-    database: Database, clock: Clock, *, hang: bool = False
+    database: Database, clock: Clock, *, hang: bool = False, im_only: bool = False
 ) -> tuple[OutboxWorker, PairedPublisher, PairedPublisher]:
+    """``im_only``: only the IM publisher hangs, and it reports its abandoned request as a failure."""
     met: dict[str, asyncio.Event] = {}
-    im, activity = PairedPublisher("im", met, hang=hang), PairedPublisher("activity", met, hang=hang)
+    im = PairedPublisher("im", met, hang=hang or im_only, swallow=im_only)
+    activity = PairedPublisher("activity", met, hang=hang and not im_only)
     worker = OutboxWorker(
         repository=SqlOutboxRepository(database),
         publishers=PublisherSet({"im": im, "activity": activity}),
