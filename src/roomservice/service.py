@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,15 +61,6 @@ from roomservice.wallet.port import (
 )
 
 _log = get_logger("roomservice.service")
-
-
-def new_event_id() -> str:
-    """A random UUID4 in hex: ``uuid.uuid4().hex`` (the same 122 random bits from ``os.urandom``)
-    without building a UUID object or an int, a sixth of its cost; one or more per command (issue 12)."""
-    raw = bytearray(os.urandom(16))
-    raw[6] = raw[6] & 0x0F | 0x40  # version 4
-    raw[8] = raw[8] & 0x3F | 0x80  # the RFC 4122 variant
-    return raw.hex()
 
 
 def fingerprint(command: c.Command, fields: dict[str, Any] | None = None) -> str:
@@ -139,7 +129,7 @@ class RoomService:
     options: ServiceOptions = field(default_factory=ServiceOptions)
     groups: GroupProvisioner | None = None
     clock: Callable[[], int] = wall_clock_ms
-    new_event_id: Callable[[], str] = new_event_id
+    new_event_id: Callable[[], str] = e.new_event_id
     # called after every commit that wrote outbox rows (wakes the local outbox worker)
     on_outbox_commit: list[Callable[[], None]] = field(default_factory=list)
     # ``wallet`` again when its ledger is in the store's database: debits go into the commit

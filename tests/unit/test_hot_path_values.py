@@ -3,27 +3,45 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 
 import pytest
 
+from roomservice.domain.events import new_event_id
 from roomservice.domain.state import CLOSED, RoomState, TreasureState
 from roomservice.domain.view import room_view
-from roomservice.service import new_event_id
 
 
-def test_an_event_id_is_a_random_uuid4_in_hex() -> None:
-    ids = {new_event_id() for _ in range(2_000)}
-    assert len(ids) == 2_000
+def test_an_event_id_is_a_uuid7_in_hex_of_its_millisecond() -> None:
+    before = time.time_ns() // 1_000_000
+    ids = [new_event_id() for _ in range(2_000)]
+    after = time.time_ns() // 1_000_000
+    assert len(set(ids)) == 2_000
     for event_id in ids:
         parsed = uuid.UUID(hex=event_id)
-        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and parsed.hex == event_id
+        assert parsed.version == 7 and parsed.variant == uuid.RFC_4122 and parsed.hex == event_id
+        assert before <= int(event_id[:12], 16) <= after  # RFC 9562: the first 48 bits are unix_ts_ms
 
 
-@pytest.mark.parametrize("raw", [bytes(16), b"\xff" * 16, bytes(range(16)), bytes(range(240, 256))])
-def test_an_event_id_is_uuid4_of_the_random_bytes(raw: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("roomservice.service.os.urandom", lambda n: raw[:n])
-    assert new_event_id() == uuid.UUID(bytes=raw, version=4).hex
+def test_event_ids_sort_by_the_millisecond_they_were_made_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([1_700_000_000_000_000_000 + n * 1_000_000 for n in range(500)])  # one id a millisecond
+    monkeypatch.setattr("roomservice.domain.events.time.time_ns", lambda: next(clock))
+    ids = [new_event_id() for _ in range(500)]
+    assert ids == sorted(ids)  # each a new index entry at the right edge
+
+
+@pytest.mark.parametrize("raw", [bytes(10), b"\xff" * 10, bytes(range(10)), bytes(range(246, 256))])
+@pytest.mark.parametrize("ms", [0, 1_764_806_400_123, 2**48 - 1])
+def test_an_event_id_is_the_uuid7_of_its_time_and_random_bytes(
+    raw: bytes, ms: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("roomservice.domain.events.os.urandom", lambda n: raw[:n])
+    monkeypatch.setattr("roomservice.domain.events.time.time_ns", lambda: ms * 1_000_000 + 999_999)
+    expected = (ms << 80) | int.from_bytes(raw, "big")
+    expected = expected & ~(0xF << 76) | 7 << 76  # version 7: the high nibble of byte 6
+    expected = expected & ~(0x3 << 62) | 0x2 << 62  # the variant, 0b10: the top two bits of byte 8
+    assert new_event_id() == f"{expected:032x}"
 
 
 def _state() -> RoomState:

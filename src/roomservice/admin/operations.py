@@ -15,7 +15,7 @@ Replay (only rows in status ``failed``):
   targets that already succeeded are not sent again. The previous
   ``retry_count`` and ``last_error`` go into the ``replay`` audit record.
 * ``as_repair``: the failed row stays as it is; a NEW row is written with a new
-  ``event_id`` (uuid4 hex), the same app/room/version/type and the original
+  ``event_id`` (a UUIDv7 in hex, as every event id), the same app/room/version/type and the original
   envelope re-encoded with the new id and ``repair_of`` = the original's id
   (its root's, when the original is itself a repair). Audit: ``repair`` on the
   original (naming the new id), ``repair_of`` on the new row (naming the
@@ -44,7 +44,6 @@ from __future__ import annotations
 import base64
 import functools
 import json
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -63,7 +62,7 @@ from sqlalchemy import (
 )
 
 from roomservice import errors, wire
-from roomservice.domain.events import dedup_id
+from roomservice.domain.events import dedup_id, new_event_id
 from roomservice.domain.limits import MAX_ID_VALUE
 from roomservice.domain.routing import Target
 from roomservice.durations import parse_duration
@@ -855,7 +854,7 @@ def _repair(
                 ReplayOutcome(r.event_id, "no_targets", _no_targets_message(r, named, routable), status=_FAILED)
             )
             continue
-        new_id = uuid.uuid4().hex
+        new_id = new_event_id()
         repair_of = dedup_id(original)  # a repair of a repair still names the first event
         sent_to = tuple(sorted(chosen))
         new_rows.append(
