@@ -37,12 +37,13 @@ from roomservice.api import schemas as s
 from roomservice.domain import commands as c
 from roomservice.domain import view
 from roomservice.domain.decider import decide, replay, stamp
+from roomservice.domain.events import new_event_id
 from roomservice.domain.rules import RoomRules
 from roomservice.domain.view import room_view
 from roomservice.observability.logging import configure_logging
 from roomservice.observability.metrics import COMMAND_METRICS
 from roomservice.observability.timing import CommandTiming
-from roomservice.service import answer_body, fingerprint, new_event_id, stored_timing
+from roomservice.service import answer_body, fingerprint, stored_timing
 from roomservice.store import sql
 from roomservice.store.port import Answer, Mutation
 
