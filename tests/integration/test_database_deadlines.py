@@ -31,7 +31,7 @@ from roomservice.domain import commands as c
 from roomservice.outbox.model import ACTIVITY, IM
 from roomservice.publishers.fake import FakePublisher
 from roomservice.store import tables as t
-from roomservice.store.database import Database
+from roomservice.store.database import Database, _driver
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 T = TypeVar("T")
@@ -92,6 +92,40 @@ async def test_a_call_during_a_blackhole_fails_by_its_deadline_and_its_connectio
         proxy.forward()
         after = await eventually(lambda: session_id(db), within_s=4 * D, what="a read after the blackhole")
         assert after != before  # a fresh session: the hung one was never reused
+    finally:
+        await db.dispose()
+
+
+async def test_a_block_reads_under_its_deadline_alone_and_pools_its_connection_with_the_drivers_backstop(
+    mariadb_url: str,
+) -> None:
+    """Inside a bounded block the driver's own read timeout is off (every read there is bounded by the
+    block's deadline, above; with it, asyncmy waits for each packet under ``asyncio.wait_for``, a task a
+    read); the connection goes back to the pool with it, as a read outside any block needs it (the
+    maintenance lock's connection)."""
+    db = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=D)
+
+    async def pooled_backstop() -> Any:
+        conn = await db.engine.connect()  # the one pooled connection, outside any block
+        try:
+            return _driver(conn)._read_timeout
+        finally:
+            await conn.close()
+
+    try:
+        assert await pooled_backstop() == 2 * D
+        async with db.write() as conn:
+            assert _driver(conn)._read_timeout is None
+            await conn.execute(sa.text("SELECT 1"))
+        assert await pooled_backstop() == 2 * D
+        async with db.read() as conn:
+            assert _driver(conn)._read_timeout is None
+        assert await pooled_backstop() == 2 * D
+        with pytest.raises(sa.exc.ProgrammingError):  # a failing statement: rolled back, pooled again
+            async with db.write() as conn:
+                await conn.execute(sa.text("SELECT * FROM no_such_table_here"))
+        assert db.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert await pooled_backstop() == 2 * D
     finally:
         await db.dispose()
 

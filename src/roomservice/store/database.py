@@ -342,6 +342,13 @@ class Database:
             async with scope:
                 conn = await self.engine.connect()
                 driver, thread_id = _driver(conn), conn.info.get(_THREAD_ID)
+                # The driver's read timeout (connect_args) is the backstop of a read no deadline
+                # bounds; in a bounded block every read is bounded by the block's deadline. Off in
+                # there: with it, asyncmy waits for each packet under asyncio.wait_for, a task and a
+                # timer a read (issue 12). Back on before the connection goes back to the pool.
+                backstop = driver._read_timeout
+                if bounded:
+                    driver._read_timeout = None
                 try:
                     if write:
                         await conn.begin()
@@ -359,11 +366,13 @@ class Database:
                         await conn.rollback()
                     if not bounded:
                         await conn.invalidate()  # never pooled with its limits lifted
+                    driver._read_timeout = backstop
                     await conn.close()
                     conn = None
                     raise
                 if not bounded:
                     await conn.invalidate()  # never pooled with its limits lifted
+                driver._read_timeout = backstop
                 await conn.close()
                 conn = None
         except TimeoutError as exc:
