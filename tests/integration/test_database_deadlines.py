@@ -108,24 +108,26 @@ async def test_a_block_reads_under_its_deadline_alone_and_pools_its_connection_w
     async def pooled_backstop() -> Any:
         conn = await db.engine.connect()  # the one pooled connection, outside any block
         try:
-            return _driver(conn)._read_timeout
+            return _driver(conn).thread_id(), _driver(conn)._read_timeout
         finally:
             await conn.close()
 
     try:
-        assert await pooled_backstop() == 2 * D
+        session, backstop = await pooled_backstop()
+        assert backstop == 2 * D
         async with db.write() as conn:
             assert _driver(conn)._read_timeout is None
             await conn.execute(sa.text("SELECT 1"))
-        assert await pooled_backstop() == 2 * D
+        assert await pooled_backstop() == (session, 2 * D)  # the same connection, its backstop back
         async with db.read() as conn:
             assert _driver(conn)._read_timeout is None
-        assert await pooled_backstop() == 2 * D
+            await conn.execute(sa.text("SELECT 1"))
+        assert await pooled_backstop() == (session, 2 * D)
         with pytest.raises(sa.exc.ProgrammingError):  # a failing statement: rolled back, pooled again
             async with db.write() as conn:
                 await conn.execute(sa.text("SELECT * FROM no_such_table_here"))
         assert db.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
-        assert await pooled_backstop() == 2 * D
+        assert await pooled_backstop() == (session, 2 * D)
     finally:
         await db.dispose()
 

@@ -345,7 +345,8 @@ class Database:
                 # The driver's read timeout (connect_args) is the backstop of a read no deadline
                 # bounds; in a bounded block every read is bounded by the block's deadline. Off in
                 # there: with it, asyncmy waits for each packet under asyncio.wait_for, a task and a
-                # timer a read (issue 12). Back on before the connection goes back to the pool.
+                # timer a read (issue 12). Back on before the connection goes back to the pool. (So a
+                # block's body must never swallow the deadline's cancellation and read on.)
                 backstop = driver._read_timeout
                 if bounded:
                     driver._read_timeout = None
