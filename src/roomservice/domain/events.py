@@ -8,10 +8,10 @@ per-type code.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from roomservice.clock import wall_clock_ms
 from roomservice.domain.fieldnames import field_names
 
 
@@ -176,16 +176,16 @@ class Event:
 
 def new_event_id() -> str:
     """A new event id: a UUIDv7 (RFC 9562) in hex, 32 characters: the Unix time in milliseconds
-    (48 bits, from the wall clock, not the service's clock: not the event's time), the version and
-    variant bits, then 74 random bits from ``os.urandom``. Ids of different milliseconds cannot
-    collide, and within one millisecond two ids collide only if 74 random bits do (uuid4 has 122):
-    negligible at any rate a service reaches. Ordered by time: every index keyed by event id (the outbox's unique key,
-    the embedded broker's message keys, the consumers' records of the events they processed, the
-    IM publisher's sent events) takes a new id at its right edge instead of at a random leaf, so
-    that a batch of commands writes one or two pages of such an index, not a page an event (issue
-    12: on SQLite 7.8 -> 6.3 write calls a join). ~1.0 µs, 0.25 more than the uuid4 it replaced.
-    """
-    raw = bytearray((time.time_ns() // 1_000_000).to_bytes(6, "big") + os.urandom(10))
+    (48 bits, from the wall clock, not the service's injected clock: not the event's time), the
+    version and variant bits, then 74 random bits from ``os.urandom``. Ids of different
+    milliseconds cannot collide, and within one millisecond two ids collide only if 74 random bits
+    do (uuid4 has 122): negligible at any rate a service reaches. Ordered by time: every index keyed
+    by event id (the outbox's unique key, the embedded broker's message keys, the consumers' records
+    of the events they processed, the IM publisher's sent events) takes a new id at its right edge
+    instead of at a random leaf, so that a batch of commands writes one or two pages of such an
+    index, not a page an event (issue 12: on SQLite 7.8 -> 6.3 write calls a join). ~1.0 µs, 0.25
+    more than the uuid4 it replaced."""
+    raw = bytearray(wall_clock_ms().to_bytes(6, "big") + os.urandom(10))
     raw[6] = raw[6] & 0x0F | 0x70  # version 7
     raw[8] = raw[8] & 0x3F | 0x80  # the RFC 9562 (RFC 4122) variant
     return raw.hex()
