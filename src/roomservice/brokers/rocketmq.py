@@ -78,6 +78,7 @@ from typing import Any
 
 from rocketmq import ClientConfiguration, Credentials, FilterExpression, Message, Producer, SimpleConsumer
 from rocketmq.grpc_protocol import Code, ForwardMessageToDeadLetterQueueRequest, QueryRouteRequest
+from rocketmq.v5.client.connection.rpc_client import RpcClient
 from rocketmq.v5.exception import (
     BadRequestException,
     ForbiddenException,
@@ -126,7 +127,39 @@ def endpoints_of(config: RocketMQConfig) -> str:
     return config.name_server_domain.strip()
 
 
-class _Producer(Producer):  # type: ignore[misc]
+_ON_LOOP_S = 10.0  # bound on handing a new endpoint to the client's I/O loop
+
+
+class _NewEndpointsOnTheClientLoop:
+    """Opens a new endpoint's telemetry stream on the client's I/O loop, whichever thread learns of it.
+
+    The client learns of an endpoint in a route query's callback, which it attaches after the query
+    returns. A query already answered by then runs the callback at once on the calling thread: an
+    ``asyncio.to_thread`` worker, which has no event loop, so the gRPC stream cannot be made there, the
+    callback fails and the route is dropped ("failed to fetch topic route", or no Settings for a
+    consumer). A loaded machine makes that race now and then; this hands the work to the I/O loop.
+    """
+
+    def on_new_endpoints(self, endpoints: Any) -> None:
+        opened = super().on_new_endpoints  # type: ignore[misc]
+        io_loop = RpcClient.get_channel_io_loop()
+        try:
+            on_io_loop = asyncio.get_running_loop() is io_loop
+        except RuntimeError:
+            on_io_loop = False
+        if on_io_loop or io_loop is None:
+            opened(endpoints)
+            return
+
+        async def open_there() -> None:
+            opened(endpoints)
+
+        # Waits as the callback would have (making the stream is quick: nothing is awaited), within a bound
+        # so a stuck loop fails this route query (the caller's publish or startup says so) instead of hanging.
+        asyncio.run_coroutine_threadsafe(open_there(), io_loop).result(timeout=_ON_LOOP_S)
+
+
+class _Producer(_NewEndpointsOnTheClientLoop, Producer):  # type: ignore[misc]
     """Keeps ``retry`` + 1 send attempts: the client otherwise takes the attempts the proxy's Settings say (3)."""
 
     def __init__(self, configuration: Any, *, max_attempts: int) -> None:
@@ -143,7 +176,7 @@ class _Producer(Producer):  # type: ignore[misc]
         self._Producer__backoff_policy = ExponentialBackoffRetryPolicy(None, self.room_max_attempts)
 
 
-class _GroupConsumer(SimpleConsumer):  # type: ignore[misc]
+class _GroupConsumer(_NewEndpointsOnTheClientLoop, SimpleConsumer):  # type: ignore[misc]
     """A SimpleConsumer that surfaces the group's retry policy from the Settings the proxy answers."""
 
     def __init__(

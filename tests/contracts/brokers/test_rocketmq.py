@@ -23,6 +23,7 @@ from hashlib import sha1
 import pytest
 import pytest_asyncio
 from rocketmq.grpc_protocol import definition_pb2 as pb
+from rocketmq.v5.client.connection.rpc_client import RpcClient
 from structlog.testing import capture_logs
 from tests.contracts.brokers.base import BrokerContract, fetch, fetch_until, message, unique
 from tests.fakes.rocketmq_proxy import FakeRocketMQProxy
@@ -366,3 +367,53 @@ async def test_from_config_takes_the_rocketmq_block(proxy: FakeRocketMQProxy) ->
         await broker.close()
     send = proxy.calls_of("SendMessage")[0]
     assert send.auth.valid and send.request.messages[0].topic.resource_namespace == "prod"
+
+
+# ------------------------------------------------------------------- the client's route-callback race
+
+
+@pytest.fixture
+def routes_answered_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every route query returns its future only once answered, as a descheduled caller would see it.
+
+    The client attaches its route callback after the query returns; a future that is already done runs
+    the callback at once on the calling thread (an ``asyncio.to_thread`` worker, which has no event loop)
+    instead of on the client's I/O loop. On a loaded machine this happens by chance; here, every time.
+    """
+    query = RpcClient.query_topic_route_async
+
+    def answered(self: RpcClient, *args: object, **kwargs: object) -> object:
+        future = query(self, *args, **kwargs)
+        future.exception(timeout=10)  # wait for the answer, whatever it is
+        return future
+
+    monkeypatch.setattr(RpcClient, "query_topic_route_async", answered)
+
+
+@pytest.mark.usefixtures("routes_answered_early")
+async def test_a_route_answered_before_its_callback_is_attached_still_serves_the_publish(
+    proxy: FakeRocketMQProxy, plain: RocketMQBroker
+) -> None:
+    topic = unique("topic")
+    first = await plain.publish(message(topic), timeout_s=5)
+    second = await plain.publish(message(topic), timeout_s=5)
+    assert first != second
+    assert len(proxy.requests("QueryRoute")) == 1  # the first answer was cached, not dropped
+    producer = await plain._ensure_producer()
+    channel = producer.rpc_client.retrieve_or_create_channel(producer.client_configuration.rpc_endpoints)
+    assert channel.telemetry_stream_stream_call is not None  # the new endpoint's telemetry stream is open
+
+
+@pytest.mark.usefixtures("routes_answered_early")
+async def test_a_consumer_whose_route_is_answered_early_starts_and_receives(
+    proxy: FakeRocketMQProxy, plain: RocketMQBroker
+) -> None:
+    topic, group = unique("topic"), unique("g")
+    await plain.declare_group(topic, group, max_deliveries=5)
+    sent = message(topic)
+    await plain.publish(sent, timeout_s=5)
+    got = await fetch_until(plain, topic, group)
+    assert got.key == sent.key
+    consumer = plain._group(group).consumer
+    channel = consumer.rpc_client.retrieve_or_create_channel(consumer.client_configuration.rpc_endpoints)
+    assert channel.telemetry_stream_stream_call is not None
