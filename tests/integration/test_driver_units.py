@@ -4,6 +4,7 @@ unit's :class:`SqliteCursor`, inline and on a thread."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,9 +15,10 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.dialects.mysql import asyncmy
 from sqlalchemy.exc import IntegrityError
-from tests.integration.test_database_deadlines import SLACK, D, session_id, through
+from tests.integration.test_database_deadlines import SLACK, D, eventually, session_id, through
 from tests.tcp_proxy import TcpProxy
 
+from roomservice.store import database as database_module
 from roomservice.store.database import Database
 from roomservice.store.driver import DriverCursor, DriverSql, SqliteCursor
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
@@ -192,13 +194,145 @@ async def test_an_error_that_is_not_the_drivers_leaves_as_it_is(db: Database) ->
     assert not conn.invalidated
 
 
+# --------------------------------------------------------------------------- sessions held between units
+
+
+async def held_session(db: Database) -> int:
+    """The server's id of the session a driver unit runs on."""
+    return int((await db.run_driver_write(lambda cur: cur.rows(SESSION, {})))[0][0])
+
+
+async def concurrent_sessions(db: Database, n: int) -> set[int]:
+    """The sessions of ``n`` driver units in flight at once."""
+    everyone_in = asyncio.Barrier(n)
+
+    async def unit(cur: DriverCursor) -> int:
+        (session,) = (await cur.rows(SESSION, {}))[0]
+        await everyone_in.wait()
+        return int(session)
+
+    return set(await asyncio.gather(*(db.run_driver_write(unit) for _ in range(n))))
+
+
+@pytest_asyncio.fixture
+async def holding(db: Database, mariadb_url: str) -> AsyncIterator[Database]:
+    """The ``driver_rows`` table of ``db``, through a database whose pool of 8 holds two sessions idle."""
+    database = Database.from_url(mariadb_url, pool_size=8, max_overflow=0, timeout_s=5.0)
+    try:
+        yield database
+    finally:
+        await database.dispose()
+
+
+def checked_out(db: Database) -> int:
+    return int(db.engine.pool.checkedout())  # type: ignore[attr-defined]
+
+
+async def test_units_one_after_another_run_on_one_held_session_beside_the_pool(holding: Database) -> None:
+    first = await held_session(holding)
+    assert await held_session(holding) == first
+    assert checked_out(holding) == 1  # held between units
+    assert await session_id(holding) != first  # a block takes a pooled connection of its own
+    await holding.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1], "n": 4}))
+    assert await rows(holding) == [(1, 4, "set"), (2, 0, "b"), (3, 0, "c")]  # committed: seen from the pool
+    assert await held_session(holding) == first
+
+
+async def test_at_most_a_quarter_of_the_pool_is_held_idle(holding: Database) -> None:
+    sessions = await concurrent_sessions(holding, 4)
+    assert len(sessions) == 4
+    assert checked_out(holding) == 2  # 8 // 4 kept; the others went back to the pool
+    assert await concurrent_sessions(holding, 2) <= sessions
+
+
+async def test_a_unit_the_server_refuses_rolls_back_and_its_session_serves_the_next(holding: Database) -> None:
+    before = await held_session(holding)
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        await cur.execute(INSERT, {"id": 2, "n": 1})  # duplicate key
+
+    with pytest.raises(IntegrityError):
+        await holding.run_driver_write(unit)
+    assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]  # rolled back whole
+    assert await held_session(holding) == before
+    # and nothing of the failed unit is left open on it: a lock it took is free for another session
+    async with holding.write() as conn:
+        await conn.execute(sa.text("UPDATE driver_rows SET n = 2 WHERE id = 1"))
+    assert await rows(holding) == [(1, 2, "a"), (2, 0, "b"), (3, 0, "c")]
+
+
+async def test_a_lost_session_lets_every_idle_one_go(holding: Database, mariadb_url: str) -> None:
+    idle = await concurrent_sessions(holding, 2)
+    killer = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=5.0)
+
+    async def unit(cur: DriverCursor) -> None:
+        (session,) = (await cur.rows(SESSION, {}))[0]
+        async with killer.write() as conn:
+            await conn.execute(sa.text(f"KILL CONNECTION {int(session)}"))
+        await cur.execute(SET_N, {"ids": [2], "n": 9})  # on a connection the server closed
+
+    try:
+        with pytest.raises(StoreUnavailable):
+            await holding.run_driver_write(unit)
+        fresh = await concurrent_sessions(holding, 2)
+        assert not fresh & idle  # the sessions held before the loss were let go, not used again
+        assert checked_out(holding) == 2
+
+        async def gone() -> None:
+            async with killer.read() as conn:
+                alive = (
+                    await conn.execute(
+                        sa.text("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID IN :ids").bindparams(
+                            sa.bindparam("ids", expanding=True)
+                        ),
+                        {"ids": sorted(idle)},
+                    )
+                ).scalar_one()
+            assert alive == 0, f"{alive} of the let-go sessions still on the server"
+
+        await eventually(gone, within_s=5, what="the let-go sessions closed on the server")
+    finally:
+        await killer.dispose()
+
+
+async def test_a_held_session_goes_back_to_the_pool_with_its_read_timeout_after_its_time(
+    holding: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drivers: list[Any] = []
+
+    async def unit(cur: DriverCursor) -> int:
+        drivers.append(cur._cursor.connection)
+        assert cur._cursor.connection._read_timeout is None  # bounded by the unit's deadline instead
+        (session,) = (await cur.rows(SESSION, {}))[0]
+        return int(session)
+
+    first = await holding.run_driver_write(unit)
+    assert checked_out(holding) == 1
+    monkeypatch.setattr(database_module, "_HELD_FOR_S", 0.0)
+    # the held session is let go to the pool, the unit takes one from there (the same: the pool's only
+    # connection) and lets it go again at its end
+    assert await holding.run_driver_write(unit) == first
+    assert checked_out(holding) == 0
+    assert drivers[-1] is drivers[0] and drivers[0]._read_timeout == 2 * holding.timeout_s  # the backstop, back on
+    assert await session_id(holding) == first  # pooled for blocks again
+
+
+async def test_dispose_hands_the_held_sessions_back(holding: Database) -> None:
+    sessions = await concurrent_sessions(holding, 2)
+    assert len(sessions) == 2 and checked_out(holding) == 2
+    await holding.dispose()
+    assert checked_out(holding) == 0
+
+
 # --------------------------------------------------------------------------- a hung database
 
 
+@pytest.mark.parametrize("pool_size", [1, 4], ids=["nothing-held", "one-held"])
 async def test_a_unit_during_a_blackhole_fails_by_its_deadline_and_its_connection_is_discarded(
-    proxy: TcpProxy, mariadb_url: str
+    proxy: TcpProxy, mariadb_url: str, pool_size: int
 ) -> None:
-    hung = Database.from_url(through(proxy, mariadb_url), pool_size=1, max_overflow=0, timeout_s=D)
+    hung = Database.from_url(through(proxy, mariadb_url), pool_size=pool_size, max_overflow=0, timeout_s=D)
 
     async def unit(cur: DriverCursor) -> Any:
         proxy.blackhole()
@@ -206,6 +340,9 @@ async def test_a_unit_during_a_blackhole_fails_by_its_deadline_and_its_connectio
 
     try:
         before = await session_id(hung)
+        if pool_size > 1:  # the unit runs on a held session
+            before = await held_session(hung)
+            assert await held_session(hung) == before
         started = time.monotonic()
         with pytest.raises(StoreDeadlineExceeded):
             await hung.run_driver_write(unit)
@@ -213,6 +350,7 @@ async def test_a_unit_during_a_blackhole_fails_by_its_deadline_and_its_connectio
         assert hung.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
         proxy.forward()
         assert await session_id(hung) != before  # the hung session was never reused
+        assert await held_session(hung) != before
     finally:
         proxy.forward()
         await hung.dispose()

@@ -131,6 +131,9 @@ _THREAD_ID: Final = "roomservice_thread_id"
 # Threads (and pysqlite connections) for run_read/run_write on SQLite: one
 # writer at a time anyway, a few concurrent readers.
 _SQLITE_THREADS: Final = 4
+# Driver units' sessions held idle between units (at most a quarter of the pool), and for how long.
+_HELD_MAX: Final = 4
+_HELD_FOR_S: Final = 60.0
 _INTERRUPT_EVERY_S: Final = 0.02
 # An inline unit (on the event loop's thread) whose SQL is still running this long after it began is
 # stopped, rolled back and run again on a thread: it bounds how long one inline unit holds up the loop.
@@ -203,6 +206,7 @@ class Database:
         self._sync_engine: Engine | None = None
         self._threads: ThreadPoolExecutor | None = None
         self._reaper: _SessionReaper | None = None
+        self._held = _HeldSessions(engine)
         self._inline: _InlineUnits | None = None
         self._checkpointing: asyncio.Task[None] | None = None
         self._checkpoint_copied = asyncio.Event()  # the running checkpoint's first pass is done
@@ -412,15 +416,56 @@ class Database:
     async def run_driver_write(
         self, fn: Callable[Concatenate[DriverCursor, P], Awaitable[T]], /, *args: P.args, **kwargs: P.kwargs
     ) -> T:
-        """MySQL/MariaDB: ``await fn(cursor, *args, **kwargs)`` in one write transaction, as :meth:`run_write`
-        runs a unit, its statements on the driver's own cursor (:mod:`roomservice.store.driver`)."""
+        """MySQL/MariaDB: ``await fn(cursor, *args, **kwargs)`` in one write transaction, its statements on
+        the driver's own cursor (:mod:`roomservice.store.driver`), committed unless it raises.
+
+        The same deadline, errors and discipline as :meth:`run_write` (a lost, cancelled or timed-out
+        session discarded and killed), on a session held between driver units (:class:`_HeldSessions`):
+        no checkout, begin or check-in through SQLAlchemy's asyncio bridge a unit."""
         if self.is_sqlite:
             raise TypeError("driver units are for MySQL/MariaDB; SQLite units run with run_write")
-        async with self.write() as conn:
-            # a buffered cursor keeps nothing on the server: not closed, so that a unit cancelled
-            # mid-statement does no I/O on the way out (the block discards the connection)
-            cursor = _driver(conn).cursor()
-            return await fn(DriverCursor(conn, cursor), *args, **kwargs)
+        with _unavailable_on_failure():
+            return await self._driver_unit(fn, args, kwargs)
+
+    async def _driver_unit(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        scope = asyncio.timeout(self.timeout_s)
+        held: _HeldSession | None = None
+        clean = False  # the session's transaction ended (committed or rolled back): it may serve again
+        try:
+            async with scope:
+                while held is None:
+                    held = self._held.take()
+                    if held is None:
+                        held = await self._held.open()
+                    elif not self._held.usable(held):
+                        stale, held = held, None
+                        await self._held.let_go(stale)
+                # a buffered cursor keeps nothing on the server: not closed, so that a unit cancelled
+                # mid-statement does no I/O on the way out (the session is discarded)
+                cursor = DriverCursor(held.conn, held.driver.cursor())
+                try:
+                    result = await fn(cursor, *args, **kwargs)
+                    await cursor.end(commit=True)
+                except Exception as exc:
+                    if _lost_connection(exc):  # invalidated by the cursor; the server may be gone for all
+                        self._held.lost()
+                    else:
+                        with contextlib.suppress(Exception):  # a failed rollback: discarded below
+                            await cursor.end(commit=False)
+                            clean = True
+                    raise
+                clean = True
+                return result
+        except TimeoutError as exc:
+            if scope.expired():
+                raise self._deadline_exceeded() from exc
+            raise
+        finally:
+            if held is not None:
+                if clean:
+                    await self._held.put_back(held)
+                else:  # cancelled, timed out, lost, or its rollback failed
+                    await self._discard(held.conn, held.driver, held.thread_id)
 
     async def run_long_write(
         self, fn: Callable[Concatenate[Connection, P], T], /, *args: P.args, **kwargs: P.kwargs
@@ -648,6 +693,7 @@ class Database:
             await self._reaper.stop()
         try:
             async with asyncio.timeout(self.timeout_s):
+                await self._held.close()
                 await self.engine.dispose()
         except TimeoutError:
             _log.warning("database_dispose_timed_out", timeout_s=self.timeout_s)
@@ -745,6 +791,90 @@ async def _invalidate_and_close(conn: AsyncConnection) -> None:
 
 def _lost_connection(exc: BaseException) -> bool:
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+@dataclass(slots=True)
+class _HeldSession:
+    conn: AsyncConnection
+    driver: Any  # the asyncmy connection
+    thread_id: int | None
+    backstop: Any  # the driver's read timeout, put back before the pool has the connection again
+    epoch: int
+    taken_at: float
+
+
+class _HeldSessions:
+    """MySQL/MariaDB sessions kept checked out between driver units (issue 12).
+
+    Through SQLAlchemy's asyncio connection a unit's checkout, begin, commit and check-in each cross
+    its greenlet bridge and the pool's bookkeeping: 600-900 us of CPU a unit, measured against
+    ~300 us for a one-statement unit and its COMMIT on the driver alone. Driver units (the outbox
+    worker's claim and finish) come one after another all day, so a few sessions stay checked out
+    between them: a unit takes an idle one (no await), runs its statements and its COMMIT or ROLLBACK
+    on the driver, and puts it back. Only a session whose transaction ended is put back; anything
+    else (cancelled, timed out, lost, a failed rollback) is discarded as a block's connection is.
+
+    At most a quarter of the pool's size is held idle, and no more than four: a small pool keeps
+    its connections for blocks (a pool of fewer than four holds none). A held session goes back to
+    the pool after ``_HELD_FOR_S`` (where ``pool_recycle`` applies to it), and every idle one is let
+    go once a unit loses its connection (the server may have gone away for all of them). The driver's
+    read timeout is off while held, as inside any bounded block, and put back on release. Held
+    sessions count as checked out in the pool's gauges.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        pool = engine.pool
+        self._keep = min(_HELD_MAX, pool.size() // 4) if isinstance(pool, QueuePool) else 0
+        self._idle: list[_HeldSession] = []
+        self._epoch = 0
+        self._closed = False
+
+    def take(self) -> _HeldSession | None:
+        return self._idle.pop() if self._idle else None
+
+    def usable(self, held: _HeldSession) -> bool:
+        return held.epoch == self._epoch and time.monotonic() - held.taken_at < _HELD_FOR_S
+
+    async def open(self) -> _HeldSession:
+        conn = await self._engine.connect()
+        driver = _driver(conn)
+        thread_id = conn.info.get(_THREAD_ID)
+        held = _HeldSession(conn, driver, thread_id, driver._read_timeout, self._epoch, time.monotonic())
+        driver._read_timeout = None  # every read of a driver unit is bounded by its deadline
+        return held
+
+    def lost(self) -> None:
+        self._epoch += 1
+
+    async def put_back(self, held: _HeldSession) -> None:
+        if not self._closed and len(self._idle) < self._keep and self.usable(held):
+            self._idle.append(held)
+        else:
+            await self.let_go(held)
+
+    async def let_go(self, held: _HeldSession) -> None:
+        """Back to the pool (its transaction ended: no reset round trip); a session of an earlier epoch
+        is closed and invalidated instead, without a byte sent, as its server may be gone. Shielded:
+        a caller's deadline never leaves it half released."""
+        await asyncio.shield(self._release(held))
+
+    async def _release(self, held: _HeldSession) -> None:
+        held.driver._read_timeout = held.backstop
+        try:
+            if held.epoch != self._epoch:
+                held.driver.close()  # the transport only
+                await held.conn.invalidate()
+            else:
+                held.conn.info[_COMMITTED] = True
+            await held.conn.close()
+        except Exception as exc:
+            _log.warning("database_held_session_release_failed", error=repr(exc))
+
+    async def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            await self.let_go(self._idle.pop())
 
 
 class _SessionReaper:
