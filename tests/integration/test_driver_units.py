@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import sqlalchemy as sa
+from asyncmy import errors as asyncmy_errors
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.dialects.mysql import asyncmy
 from sqlalchemy.exc import IntegrityError
@@ -320,9 +321,130 @@ async def test_a_held_session_goes_back_to_the_pool_with_its_read_timeout_after_
 
 async def test_dispose_hands_the_held_sessions_back(holding: Database) -> None:
     sessions = await concurrent_sessions(holding, 2)
-    assert len(sessions) == 2 and checked_out(holding) == 2
+    pool = holding.engine.pool  # dispose() puts a fresh pool in its place: count on this one
+    assert len(sessions) == 2 and pool.checkedout() == 2  # type: ignore[attr-defined]
     await holding.dispose()
+    assert pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+async def alive(db: Database, sessions: set[int]) -> int:
+    """How many of ``sessions`` the server still has."""
+    async with db.read() as conn:
+        query = sa.text("SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID IN :ids").bindparams(
+            sa.bindparam("ids", expanding=True)
+        )
+        return int((await conn.execute(query, {"ids": sorted(sessions)})).scalar_one())
+
+
+async def test_a_unit_raising_its_own_error_rolls_back_and_keeps_its_session(holding: Database) -> None:
+    before = await held_session(holding)
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        raise RuntimeError("the unit changed its mind")
+
+    with pytest.raises(RuntimeError):
+        await holding.run_driver_write(unit)
+    assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
+    assert await held_session(holding) == before
+
+
+async def test_a_caller_that_goes_away_mid_unit_has_its_held_session_discarded_and_killed(holding: Database) -> None:
+    before = await held_session(holding)
+    started, never = asyncio.Event(), asyncio.Event()
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        started.set()
+        await never.wait()
+
+    task = asyncio.create_task(holding.run_driver_write(unit))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
     assert checked_out(holding) == 0
+    assert await held_session(holding) != before
+
+    async def killed() -> None:
+        assert await alive(holding, {before}) == 0
+
+    await eventually(killed, within_s=5, what="the abandoned session killed")
+    assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]  # its UPDATE went with it
+
+
+async def test_a_commit_that_fails_is_unavailable_and_its_session_never_held_again(
+    holding: Database, mariadb_url: str
+) -> None:
+    killer = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=5.0)
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        (session,) = (await cur.rows(SESSION, {}))[0]
+        async with killer.write() as conn:
+            await conn.execute(sa.text(f"KILL CONNECTION {int(session)}"))  # the unit's last act: COMMIT fails
+
+    try:
+        before = await held_session(holding)
+        with pytest.raises(StoreUnavailable) as failure:
+            await holding.run_driver_write(unit)
+        lost = failure.value.__cause__
+        assert isinstance(lost, sa.exc.DBAPIError) and lost.statement == "COMMIT" and lost.connection_invalidated
+        assert checked_out(holding) == 0
+        assert await held_session(holding) != before
+        assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
+    finally:
+        await killer.dispose()
+
+
+class OutOfSequence:
+    """An asyncmy cursor's stand-in whose statement fails as the driver fails on a packet out of sequence."""
+
+    def __init__(self, cursor: Any) -> None:
+        self.connection = cursor.connection
+
+    async def execute(self, text: str, args: Any) -> int:
+        raise asyncmy_errors.InternalError("Packet sequence number wrong - got 3 expected 1")
+
+
+async def test_a_driver_error_the_server_did_not_send_discards_the_session(holding: Database) -> None:
+    before = await held_session(holding)
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        cur._cursor = OutOfSequence(cur._cursor)
+        await cur.execute(SET_N, {"ids": [2], "n": 9})
+
+    with pytest.raises(sa.exc.InternalError) as failure:
+        await holding.run_driver_write(unit)
+    assert not failure.value.connection_invalidated  # not a disconnect to SQLAlchemy's dialect
+    assert checked_out(holding) == 0  # but never rolled back and used again: what it reads next is unknown
+    assert await held_session(holding) != before
+    assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
+
+
+async def test_a_disconnect_seen_by_a_block_lets_the_idle_held_sessions_go(holding: Database, mariadb_url: str) -> None:
+    idle = await concurrent_sessions(holding, 2)
+    killer = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=5.0)
+
+    async def block_on_a_killed_session() -> None:
+        async with holding.write() as conn:
+            (session,) = (await conn.execute(SESSION)).one()
+            async with killer.write() as kill:
+                await kill.execute(sa.text(f"KILL CONNECTION {int(session)}"))
+            await conn.execute(sa.text("SELECT 1"))  # on a connection the server closed
+
+    try:
+        with pytest.raises(StoreUnavailable):
+            await block_on_a_killed_session()
+        assert not await concurrent_sessions(holding, 2) & idle
+
+        async def gone() -> None:
+            assert await alive(killer, idle) == 0
+
+        await eventually(gone, within_s=5, what="the idle held sessions closed")
+    finally:
+        await killer.dispose()
 
 
 # --------------------------------------------------------------------------- a hung database

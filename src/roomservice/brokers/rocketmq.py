@@ -156,7 +156,12 @@ class _NewEndpointsOnTheClientLoop:
 
         # Waits as the callback would have (making the stream is quick: nothing is awaited), within a bound
         # so a stuck loop fails this route query (the caller's publish or startup says so) instead of hanging.
-        asyncio.run_coroutine_threadsafe(open_there(), io_loop).result(timeout=_ON_LOOP_S)
+        handed = asyncio.run_coroutine_threadsafe(open_there(), io_loop)
+        try:
+            handed.result(timeout=_ON_LOOP_S)
+        except TimeoutError:
+            handed.cancel()  # not run later behind the caller's back
+            raise
 
 
 class _Producer(_NewEndpointsOnTheClientLoop, Producer):  # type: ignore[misc]

@@ -86,7 +86,7 @@ from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import mysql, sqlite
-from sqlalchemy.engine import URL, Connection, Dialect, RootTransaction, make_url
+from sqlalchemy.engine import URL, Connection, Dialect, ExceptionContext, RootTransaction, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -391,11 +391,11 @@ class Database:
     async def _discard(self, conn: AsyncConnection, driver: Any, thread_id: int | None) -> None:
         if driver is not None:
             driver.close()  # the transport only: nothing may wait on a hung peer
+        self._reap(thread_id)  # before any await: a second cancellation must not skip the kill
         try:
             await asyncio.shield(_invalidate_and_close(conn))
         except Exception as exc:
             _log.warning("database_connection_discard_failed", error=repr(exc))
-        self._reap(thread_id)
 
     def _reap(self, thread_id: int | None) -> None:
         if self._reaper is not None and thread_id is not None:
@@ -449,10 +449,13 @@ class Database:
                 except Exception as exc:
                     if _lost_connection(exc):  # invalidated by the cursor; the server may be gone for all
                         self._held.lost()
-                    else:
-                        with contextlib.suppress(Exception):  # a failed rollback: discarded below
+                    elif not cursor.out_of_step:  # the server answered every statement: in step, roll back
+                        try:
                             await cursor.end(commit=False)
                             clean = True
+                        except Exception as failed:  # discarded below
+                            if _lost_connection(failed):
+                                self._held.lost()
                     raise
                 clean = True
                 return result
@@ -464,7 +467,7 @@ class Database:
             if held is not None:
                 if clean:
                     await self._held.put_back(held)
-                else:  # cancelled, timed out, lost, or its rollback failed
+                else:  # cancelled, timed out, lost, out of step with the server, or its rollback failed
                     await self._discard(held.conn, held.driver, held.thread_id)
 
     async def run_long_write(
@@ -811,13 +814,16 @@ class _HeldSessions:
     ~300 us for a one-statement unit and its COMMIT on the driver alone. Driver units (the outbox
     worker's claim and finish) come one after another all day, so a few sessions stay checked out
     between them: a unit takes an idle one (no await), runs its statements and its COMMIT or ROLLBACK
-    on the driver, and puts it back. Only a session whose transaction ended is put back; anything
-    else (cancelled, timed out, lost, a failed rollback) is discarded as a block's connection is.
+    on the driver, and puts it back. Only a session whose transaction ended is put back, and it is
+    rolled back only when the server answered each of its statements; anything else (cancelled,
+    timed out, lost, a driver error the server did not send, a failed rollback) is discarded as a
+    block's connection is.
 
     At most a quarter of the pool's size is held idle, and no more than four: a small pool keeps
     its connections for blocks (a pool of fewer than four holds none). A held session goes back to
-    the pool after ``_HELD_FOR_S`` (where ``pool_recycle`` applies to it), and every idle one is let
-    go once a unit loses its connection (the server may have gone away for all of them). The driver's
+    the pool after ``_HELD_FOR_S`` (where ``pool_recycle`` applies to it; taken again only after that
+    time, a session idle meanwhile keeps its pool slot), and every idle one is let go once any
+    connection of the engine is lost (the server may have gone away for all of them). The driver's
     read timeout is off while held, as inside any bounded block, and put back on release. Held
     sessions count as checked out in the pool's gauges.
     """
@@ -829,6 +835,14 @@ class _HeldSessions:
         self._idle: list[_HeldSession] = []
         self._epoch = 0
         self._closed = False
+        if self._keep:
+            # A disconnect seen on any connection of the engine (SQLAlchemy then has the pool recycle
+            # what it hands out next): the held sessions may be gone too.
+            event.listen(engine.sync_engine, "handle_error", self._on_error)
+
+    def _on_error(self, context: ExceptionContext) -> None:
+        if context.is_disconnect:
+            self.lost()
 
     def take(self) -> _HeldSession | None:
         return self._idle.pop() if self._idle else None
@@ -848,6 +862,10 @@ class _HeldSessions:
         self._epoch += 1
 
     async def put_back(self, held: _HeldSession) -> None:
+        if any(h.epoch != self._epoch for h in self._idle):  # a loss since: let the stale ones go
+            stale = [h for h in self._idle if h.epoch != self._epoch]
+            self._idle = [h for h in self._idle if h.epoch == self._epoch]
+            await asyncio.gather(*(self.let_go(h) for h in stale))
         if not self._closed and len(self._idle) < self._keep and self.usable(held):
             self._idle.append(held)
         else:

@@ -150,11 +150,15 @@ class _Statements:
 class DriverCursor(_Statements):
     """The asyncmy cursor of one MySQL/MariaDB unit, statements by their SQLAlchemy construct."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "out_of_step")
 
     def __init__(self, conn: AsyncConnection, cursor: Any) -> None:
         super().__init__(conn.sync_connection, cursor)  # type: ignore[arg-type]
         self._conn = conn
+        self.out_of_step = False
+        """A statement failed other than by the server's answer (a client-side error of the driver,
+        say a packet out of sequence): what the connection would read next is unknown. Its unit's
+        runner discards the session instead of rolling it back and using it again."""
 
     async def execute(self, statement: Any, params: dict[str, Any]) -> int:
         """Run ``statement``; the rows it matched (``CLIENT_FOUND_ROWS``) or returned."""
@@ -197,11 +201,20 @@ class DriverCursor(_Statements):
                 dbapi = self._dialect.loaded_dbapi
                 seen = dbapi.InternalError("network operation failed due to asyncmy attribute error")
             translated, lost = self._translated(seen, text, args)
+            self.out_of_step = self.out_of_step or not _answered_by_the_server(seen)
             if translated is None:
                 raise
             if lost:
                 await self._conn.invalidate(seen)
             raise translated from exc
+
+
+def _answered_by_the_server(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error packet the server sent: a MySQL/MariaDB server error code (1000-1999,
+    3000 and up); 2000-2999 are the client library's own, and an error without a code is the driver's."""
+    args = getattr(exc, "args", ())
+    code = args[0] if args else None
+    return isinstance(code, int) and (1000 <= code < 2000 or code >= 3000)
 
 
 class SqliteCursor(_Statements):
