@@ -206,7 +206,7 @@ class Database:
         self._sync_engine: Engine | None = None
         self._threads: ThreadPoolExecutor | None = None
         self._reaper: _SessionReaper | None = None
-        self._held = _HeldSessions(engine)
+        self._held = _HeldSessions(engine, holds=self.dialect_name == "mysql")
         self._inline: _InlineUnits | None = None
         self._checkpointing: asyncio.Task[None] | None = None
         self._checkpoint_copied = asyncio.Event()  # the running checkpoint's first pass is done
@@ -828,10 +828,10 @@ class _HeldSessions:
     sessions count as checked out in the pool's gauges.
     """
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, *, holds: bool) -> None:
         self._engine = engine
         pool = engine.pool
-        self._keep = min(_HELD_MAX, pool.size() // 4) if isinstance(pool, QueuePool) else 0
+        self._keep = min(_HELD_MAX, pool.size() // 4) if holds and isinstance(pool, QueuePool) else 0
         self._idle: list[_HeldSession] = []
         self._epoch = 0
         self._closed = False
