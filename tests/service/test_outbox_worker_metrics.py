@@ -4,11 +4,14 @@ what each attempt did, on the row-after-row path and on the pipeline."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from tests.service.conftest import Clock
 from tests.service.test_outbox_worker import JOINED, insert_rows, make_event, row
 from tests.service.test_outbox_worker_broker_path import PipeliningFakeBroker, mq_worker
 
-from roomservice.brokers.port import BrokerUnavailable
+from roomservice.brokers.port import BrokerUnavailable, OutgoingMessage
 from roomservice.observability.metrics import REGISTRY
 from roomservice.outbox.model import BROKER, PublishMode
 from roomservice.outbox.policy import RetryPolicy
@@ -78,3 +81,38 @@ async def test_the_pipelines_attempts_are_counted_and_timed_once(database: Datab
     await mq_worker(database, clock, pipelining).run_once()
     assert grown(before, attempts(BROKER)) == {"ok": 3, "retryable": 1, "timed": 4}
     assert (await row(database, events[0].event_id)).status == "retryable"
+
+
+class HeldAckBroker(PipeliningFakeBroker):
+    """Holds every acknowledgement until the test resolves it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acks: list[asyncio.Future[str]] = []
+        self.sent = asyncio.Event()
+
+    async def send(self, message: OutgoingMessage) -> asyncio.Future[str]:
+        ack: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.acks.append(ack)
+        self.sent.set()
+        return ack
+
+
+async def test_an_acknowledgement_whose_callback_comes_after_the_pipeline_ended_is_still_counted(
+    database: Database, clock: Clock
+) -> None:
+    """The pipeline counts its successes once, when it ends; an acknowledgement that succeeded as the
+    batch was cancelled, its callback run only after that count, is counted on its own."""
+    await insert_rows(database, make_event(JOINED, room="r1"))
+    broker = HeldAckBroker()
+    before = attempts(BROKER)
+    batch = asyncio.create_task(mq_worker(database, clock, broker).run_once())
+    async with asyncio.timeout(10):
+        await broker.sent.wait()
+    await asyncio.sleep(0)  # the pipeline waits for the acknowledgement now
+    batch.cancel()  # the batch's task wakes first (its wait is cancelled)...
+    broker.acks[0].set_result("m-1")  # ...then the acknowledgement's callback: after the pipeline's count
+    with pytest.raises(asyncio.CancelledError):
+        await batch
+    await asyncio.sleep(0)
+    assert grown(before, attempts(BROKER)) == {"ok": 1, "timed": 1}

@@ -162,6 +162,35 @@ def _publish_seconds(target: str) -> Any:
     return child
 
 
+# Target sets are few (subsets of four targets): their text and their unions with one more target are
+# worked out once, not for every row of every batch (a sort and a join, a set built: ~0.2 µs a row).
+_TARGETS_TEXT: dict[frozenset[str], str] = {}
+_WITH_TARGET: dict[tuple[frozenset[str], str], frozenset[str]] = {}
+
+
+def _targets_text(targets: frozenset[str]) -> str:
+    text = _TARGETS_TEXT.get(targets)
+    if text is None:
+        if len(_TARGETS_TEXT) >= 1024:  # a bound against odd rows' targets_done, as the routes have
+            _TARGETS_TEXT.clear()
+        text = _TARGETS_TEXT[targets] = format_targets(targets)
+    return text
+
+
+def _with_target(done: frozenset[str], target: str) -> frozenset[str]:
+    key = (done, target)
+    union = _WITH_TARGET.get(key)
+    if union is None:
+        if len(_WITH_TARGET) >= 1024:
+            _WITH_TARGET.clear()
+        union = _WITH_TARGET[key] = done | {target}
+    return union
+
+
+def _with_targets(done: frozenset[str], targets: tuple[str, ...]) -> frozenset[str]:
+    return _with_target(done, targets[0]) if len(targets) == 1 else done | frozenset(targets)
+
+
 def _check_envelope(payload: bytes) -> None:
     """Raise as :func:`decode_event` would for a payload it cannot decode (bad bytes, an unknown
     type), without building the Event: for rows whose targets do not need it."""
@@ -437,8 +466,11 @@ class OutboxWorker:
                 if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
                     untried.extend(room_rows[n:])
                     break
-                async with semaphore:
+                await semaphore.acquire()  # (not `async with`: two coroutines a row fewer)
+                try:
                     outcomes.append(await self.deliver(row))
+                finally:
+                    semaphore.release()
             return outcomes
 
         async def pipeline() -> list[Outcome]:
@@ -625,7 +657,7 @@ class OutboxWorker:
         else:
             results = await self._publish_side_by_side(needed, publishers, row, event)
         if not any(results):
-            return Outcome(row, row.targets_done | frozenset(needed), delivered=True)
+            return Outcome(row, _with_targets(row.targets_done, needed), True)
         done = set(row.targets_done)
         errors: list[str] = []
         permanent = False
@@ -673,7 +705,7 @@ class OutboxWorker:
     def _outcome(self, row: ClaimedRow, target: str, result: tuple[bool, str] | None) -> Outcome:
         """The Outcome of an attempt at ``row``'s one target that ended with ``result``."""
         if result is None:
-            return Outcome(row, row.targets_done | {target}, delivered=True)
+            return Outcome(row, _with_target(row.targets_done, target), True)
         permanent, message = result
         return Outcome(row, row.targets_done, delivered=False, permanent=permanent, error=f"{target}: {message}")
 
@@ -692,6 +724,10 @@ class OutboxWorker:
 
     def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
         """An attempt's end: None on success, else (permanent, message); beats and counts it."""
+        if error is None:
+            self._beat()
+            _attempted(target, "ok", time.perf_counter() - started)
+            return None
         outcome, result = self._classify(error)
         self._beat()
         _attempted(target, outcome, time.perf_counter() - started)
@@ -739,7 +775,7 @@ class OutboxWorker:
         ages: list[float] = []
         for outcome in outcomes:
             row = outcome.row
-            targets = format_targets(outcome.targets_done)
+            targets = _targets_text(outcome.targets_done)
             if outcome.delivered:
                 delivered.append(Delivered(row.id, targets))
                 ages.append(max(0, now - row.created_at_ms) / 1000)
@@ -876,6 +912,8 @@ class _Pipeline:
         self.timeout = worker.options.publish_timeout_s
         self.outcomes: list[Outcome] = []
         self.deadlines = Deadlines(_give_up)  # the acknowledgements not in yet
+        self.acknowledged: dict[str, list[float]] = {}  # by target: latencies of the attempts that succeeded
+        self.counting = True  # until run() counts them
         self.outstanding = 0
         self.idle: asyncio.Future[None] | None = None  # set when the last acknowledgement is in
 
@@ -891,6 +929,11 @@ class _Pipeline:
         finally:
             for ack in self.deadlines.close():  # cancelled: let go of the acknowledgements still outstanding
                 ack.cancel()
+            self.counting = False  # an acknowledgement whose callback comes later is counted on its own
+            for target, latencies in self.acknowledged.items():  # counted once a batch, not once an attempt
+                _deliveries(target, "ok").inc(len(latencies))
+                observe_many(_publish_seconds(target), latencies)
+            self.acknowledged.clear()
         return self.outcomes
 
     async def _send_all(
@@ -962,9 +1005,17 @@ class _Pipeline:
     ) -> None:
         self.semaphore.release()
         error = TimeoutError() if ack.cancelled() else ack.exception()
-        if error is not None and not isinstance(error, TimeoutError):
-            error = publisher.failure(error)
-        self.outcomes.append(self._ended(row, target, t0, error))
+        if error is None and self.counting:  # (almost every row) no classifying, metrics with the batch's (run)
+            latencies = self.acknowledged.get(target)
+            if latencies is None:
+                latencies = self.acknowledged[target] = []
+            latencies.append(time.perf_counter() - t0)
+            self.worker._beat()
+            self.outcomes.append(Outcome(row, _with_target(row.targets_done, target), True))
+        else:
+            if error is not None and not isinstance(error, TimeoutError):
+                error = publisher.failure(error)
+            self.outcomes.append(self._ended(row, target, t0, error))
         self.outstanding -= 1
         if not self.outstanding and self.idle is not None and not self.idle.done():
             self.idle.set_result(None)
