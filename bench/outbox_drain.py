@@ -82,8 +82,11 @@ async def delivered_count(url: str) -> int:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
+    # this checkout's src first: a second worktree (an A/B) shares the venv, whose editable install points
+    # at another checkout's src; with only ROOT on the path its worker processes ran that other code
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": path})
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 

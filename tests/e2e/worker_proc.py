@@ -17,6 +17,8 @@ import signal
 import time
 from typing import Any, TextIO
 
+import sqlalchemy as sa
+
 from roomservice.cli.collector import settle_after_start
 from roomservice.domain.events import Event
 from roomservice.outbox.model import BROKER, ClaimedRow, Outcome, PublishMode
@@ -132,6 +134,8 @@ async def main() -> None:
     settle_after_start()  # the collector as `room-service worker` sets it once started
     try:
         if args.start_on_sigusr1:  # several workers can then start claiming at one instant
+            async with db.read() as conn:  # started up as a bare loop is when it says ready: connected
+                await conn.execute(sa.text("SELECT 1"))
             print("ready", flush=True)
             await go.wait()
         async with worker:
