@@ -127,44 +127,69 @@ def endpoints_of(config: RocketMQConfig) -> str:
     return config.name_server_domain.strip()
 
 
-_ON_LOOP_S = 10.0  # bound on handing a new endpoint to the client's I/O loop
+_ON_LOOP_S = 10.0  # bound on handing the making of a telemetry stream to the client's I/O loop
 
 
-class _NewEndpointsOnTheClientLoop:
-    """Opens a new endpoint's telemetry stream on the client's I/O loop, whichever thread learns of it.
+def _on_the_client_loop(work: Callable[[], None]) -> None:
+    """Run ``work`` on the client's I/O loop and wait for it (at most ``_ON_LOOP_S``), or at once when
+    this is that loop or the client has none yet."""
+    io_loop = RpcClient.get_channel_io_loop()
+    try:
+        on_io_loop = asyncio.get_running_loop() is io_loop
+    except RuntimeError:
+        on_io_loop = False
+    if on_io_loop or io_loop is None:
+        work()
+        return
 
-    The client learns of an endpoint in a route query's callback, which it attaches after the query
-    returns. A query already answered by then runs the callback at once on the calling thread: an
-    ``asyncio.to_thread`` worker, which has no event loop, so the gRPC stream cannot be made there, the
-    callback fails and the route is dropped ("failed to fetch topic route", or no Settings for a
-    consumer). A loaded machine makes that race now and then; this hands the work to the I/O loop.
+    async def there() -> None:
+        work()
+
+    # Waits as the caller would have (making a stream is quick: nothing is awaited), within a bound so a
+    # stuck loop fails the caller's step (a route query: its publish or startup says so) instead of hanging.
+    handed = asyncio.run_coroutine_threadsafe(there(), io_loop)
+    try:
+        handed.result(timeout=_ON_LOOP_S)
+    except TimeoutError:
+        handed.cancel()  # not run later behind the caller's back
+        raise
+
+
+class _StreamsOnTheClientLoop:
+    """Makes every telemetry stream on the client's I/O loop, whichever thread asks for it.
+
+    A gRPC stream can only be made on a thread with an event loop. The client makes one in two places
+    that can run elsewhere:
+
+    * a new endpoint, learnt in a route query's callback, which the client attaches after the query
+      returns: a query already answered by then runs the callback at once on the calling thread, an
+      ``asyncio.to_thread`` worker with no event loop; the stream is not made, the callback fails and
+      the route is dropped ("failed to fetch topic route", or no Settings for a consumer);
+    * a broken stream, rebuilt in a failed settings write's callback: a write that fails before the
+      client attaches it runs it on the writing thread, the settings scheduler's, which has no event
+      loop either; the rebuild fails and the stream stays broken until the next sync (5 minutes).
+
+    A loaded machine makes either race now and then; both are handed to the I/O loop here.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the client's telemetry manager is private, its rebuild a method it calls on itself: the
+        # instance's own attribute takes the call
+        manager = self._Client__telemetry_manager  # type: ignore[attr-defined]
+        retrieve = manager.retrieve_telemetry_stream_stream_call
+
+        def retrieve_on_the_client_loop(endpoints: Any, rebuild: bool = False) -> None:
+            _on_the_client_loop(lambda: retrieve(endpoints, rebuild))
+
+        manager.retrieve_telemetry_stream_stream_call = retrieve_on_the_client_loop
 
     def on_new_endpoints(self, endpoints: Any) -> None:
         opened = super().on_new_endpoints  # type: ignore[misc]
-        io_loop = RpcClient.get_channel_io_loop()
-        try:
-            on_io_loop = asyncio.get_running_loop() is io_loop
-        except RuntimeError:
-            on_io_loop = False
-        if on_io_loop or io_loop is None:
-            opened(endpoints)
-            return
-
-        async def open_there() -> None:
-            opened(endpoints)
-
-        # Waits as the callback would have (making the stream is quick: nothing is awaited), within a bound
-        # so a stuck loop fails this route query (the caller's publish or startup says so) instead of hanging.
-        handed = asyncio.run_coroutine_threadsafe(open_there(), io_loop)
-        try:
-            handed.result(timeout=_ON_LOOP_S)
-        except TimeoutError:
-            handed.cancel()  # not run later behind the caller's back
-            raise
+        _on_the_client_loop(lambda: opened(endpoints))
 
 
-class _Producer(_NewEndpointsOnTheClientLoop, Producer):  # type: ignore[misc]
+class _Producer(_StreamsOnTheClientLoop, Producer):  # type: ignore[misc]
     """Keeps ``retry`` + 1 send attempts: the client otherwise takes the attempts the proxy's Settings say (3)."""
 
     def __init__(self, configuration: Any, *, max_attempts: int) -> None:
@@ -181,7 +206,7 @@ class _Producer(_NewEndpointsOnTheClientLoop, Producer):  # type: ignore[misc]
         self._Producer__backoff_policy = ExponentialBackoffRetryPolicy(None, self.room_max_attempts)
 
 
-class _GroupConsumer(_NewEndpointsOnTheClientLoop, SimpleConsumer):  # type: ignore[misc]
+class _GroupConsumer(_StreamsOnTheClientLoop, SimpleConsumer):  # type: ignore[misc]
     """A SimpleConsumer that surfaces the group's retry policy from the Settings the proxy answers."""
 
     def __init__(

@@ -15,7 +15,9 @@ rounds them up to whole seconds, which the contract's deadlines allow.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from hashlib import sha1
@@ -417,3 +419,41 @@ async def test_a_consumer_whose_route_is_answered_early_starts_and_receives(
     consumer = plain._group(group).consumer
     channel = consumer.rpc_client.retrieve_or_create_channel(consumer.client_configuration.rpc_endpoints)
     assert channel.telemetry_stream_stream_call is not None
+
+
+# ------------------------------------------------------------------- the client's stream-rebuild race
+
+
+async def test_a_stream_rebuilt_on_a_thread_without_an_event_loop_is_made_on_the_clients_loop(
+    proxy: FakeRocketMQProxy, plain: RocketMQBroker
+) -> None:
+    """A settings write that fails before the client attaches its callback runs the callback on the
+    writing thread: the settings scheduler's, which has no event loop. The callback rebuilds the
+    telemetry stream; made there, the rebuild failed and the broken stream stayed until the next sync
+    five minutes later. Here the scheduler's thread runs that callback on a failed write, then the next
+    sync: the rebuild must make a new stream, and the sync's Settings must reach the proxy on it."""
+    await plain.publish(message(unique("topic")), timeout_s=5)
+    producer = await plain._ensure_producer()
+    endpoints = producer.client_configuration.rpc_endpoints
+    channel = producer.rpc_client.retrieve_or_create_channel(endpoints)
+    broken = channel.telemetry_stream_stream_call
+    manager = producer._Client__telemetry_manager
+    failed: concurrent.futures.Future[None] = concurrent.futures.Future()
+    failed.set_exception(RuntimeError("the telemetry stream was closed"))
+    settings_seen = len([c for c in proxy.calls_of("Telemetry") if c.request.HasField("settings")])
+
+    def settings_scheduler() -> None:  # as the client's scheduler thread: no event loop
+        with pytest.raises(RuntimeError):
+            asyncio.get_event_loop()
+        manager._ClientTelemetryManager__setting_write_callback(failed, endpoints=endpoints)
+        manager.setting_write(endpoints)  # the next sync
+
+    thread = threading.Thread(target=settings_scheduler, name="sync_setting_schedule_thread")
+    thread.start()
+    await asyncio.to_thread(thread.join, 30)
+    assert not thread.is_alive()
+    assert channel.telemetry_stream_stream_call is not None
+    assert channel.telemetry_stream_stream_call is not broken  # rebuilt
+    async with asyncio.timeout(10):
+        while len([c for c in proxy.calls_of("Telemetry") if c.request.HasField("settings")]) <= settings_seen:
+            await asyncio.sleep(0.01)
