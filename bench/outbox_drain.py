@@ -9,12 +9,13 @@ Prints, for SQLite and MariaDB:
     guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
     loops in the same number of processes; every process starts up first, then all start
     draining at one instant (SIGUSR1), and the time runs from that instant to the last
-    delivered row; beside each rate, the processes' CPU per row over the drain;
+    delivered row; beside each rate, the processes' CPU per row over the drain; --rounds such
+    rounds (3), alternating, then each shape's median ratio over them;
   * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms (--rooms) with poll_interval 1s
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
 
-    .venv/bin/python -m bench.outbox_drain [--backend sqlite|mariadb|both] [--rows N]
+    .venv/bin/python -m bench.outbox_drain [--backend sqlite|mariadb|both] [--rows N] [--rounds N]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import asyncio
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -236,19 +238,37 @@ def allowance(raw_cpu_us: float, target: float = 0.9) -> str:
     return f"at {target:.1f}x a row may cost {raw_cpu_us * (1 / target - 1):.1f} us of CPU above the bare loop's"
 
 
+async def drain_rounds(backend: str, workers: int, rows: int, rounds: int) -> None:
+    """``rounds`` rounds of the two shapes and the bare loop, the baseline between them and the shapes'
+    order swapped each round (a drain of 20,000 rows lasts about a second: one pair's ratio moved by
+    +-20 % between runs minutes apart, 0.68-1.09x for the same code); each round's lines, then the
+    median of the rounds' ratios and CPU a row."""
+    seen: dict[str, list[tuple[float, float, float]]] = {"direct": [], "mq": []}  # (ratio, CPU, bare CPU)
+    for n in range(rounds):
+        order = ("direct", "mq") if n % 2 == 0 else ("mq", "direct")
+        first = await worker_drain(backend, workers, rows, order[0])
+        raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
+        drained = {order[0]: first, order[1]: await worker_drain(backend, workers, rows, order[1])}
+        for shape in ("direct", "mq"):
+            worker_rate, worker_cpu = drained[shape]
+            seen[shape].append((worker_rate / raw_rate, worker_cpu, raw_cpu))
+            print(f"[{backend}] {workers} worker(s), {shape:6} publisher: {worker_rate:7.0f} events/s   "
+                  f"raw claim+finish: {raw_rate:7.0f} events/s (bare driver)   ratio "
+                  f"{worker_rate / raw_rate:.2f}x (target >= 0.90)   "
+                  f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row; {allowance(raw_cpu)}", flush=True)
+    for shape, got in seen.items():
+        ratios = sorted(ratio for ratio, _, _ in got)
+        print(f"[{backend}] {workers} worker(s), {shape:6} over {rounds} round(s): median ratio "
+              f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f}; target >= 0.90)   "
+              f"CPU a row, median {statistics.median(cpu for _, cpu, _ in got):.1f} / "
+              f"{statistics.median(raw for _, _, raw in got):.1f} us (bare)", flush=True)
+
+
 async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: int, seconds: float,
-              idle_s: float, rooms: int = 50) -> None:
+              idle_s: float, rooms: int = 50, rounds: int = 3) -> None:
     for backend in backends:
         for workers in workers_list:
-            # the two shapes and the baseline taken in turn, the baseline between them
-            direct = await worker_drain(backend, workers, rows, "direct")
-            raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
-            mq = await worker_drain(backend, workers, rows, "mq")
-            for shape, (worker_rate, worker_cpu) in (("direct", direct), ("mq", mq)):
-                print(f"[{backend}] {workers} worker(s), {shape:6} publisher: {worker_rate:7.0f} events/s   "
-                      f"raw claim+finish: {raw_rate:7.0f} events/s (bare driver)   ratio "
-                      f"{worker_rate / raw_rate:.2f}x (target >= 0.90)   "
-                      f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row; {allowance(raw_cpu)}", flush=True)
+            await drain_rounds(backend, workers, rows, rounds)
         lat = await commit_to_delivered(backend, rate=rate, seconds=seconds, rooms=rooms)
         async with fresh_database(backend) as url:
             await seed(url, 200)
@@ -278,13 +298,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the latency run")
     parser.add_argument("--rooms", type=int, default=50, help="rooms of the latency run (1: one busy room)")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="length of the idle run (0: skip)")
+    parser.add_argument("--rounds", type=int, default=3, help="drains of each shape and of the bare loop, alternating")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
     backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
     print(f"outbox drain benchmark: {args.rows} rows, batch {BATCH}; {os.cpu_count()} cpus", flush=True)
     workers_list = [int(n) for n in args.workers.split(",") if n.strip()]  # "": the latency run only
     asyncio.run(run(backends, args.rows, workers_list=workers_list, rate=args.rate,
-                    seconds=args.seconds, idle_s=args.idle_seconds, rooms=args.rooms))
+                    seconds=args.seconds, idle_s=args.idle_seconds, rooms=args.rooms, rounds=args.rounds))
 
 
 if __name__ == "__main__":

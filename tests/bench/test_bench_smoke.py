@@ -94,8 +94,10 @@ def test_command_path_sweep_draws_the_plot(tmp_path: Path) -> None:
 
 def test_outbox_drain_runs() -> None:
     out = run_bench("bench.outbox_drain", "--backend", "sqlite", "--rows", "300", "--workers", "1",
-                    "--rate", "50", "--seconds", "1", "--idle-seconds", "0")
+                    "--rate", "50", "--seconds", "1", "--idle-seconds", "0", "--rounds", "2")
     assert "(bare driver)" in out and "bare claim+finish cycle" in out and "us a row" in out
+    assert out.count(" publisher: ") == 2 * 2  # each round's two shapes...
+    assert out.count("over 2 round(s): median ratio") == 2  # ...then each shape's median
     assert "a row may cost" in out  # what 0.9x leaves the worker above the bare loop's CPU a row
 
 
