@@ -172,3 +172,16 @@ def test_command_pieces_times_and_counts_every_piece() -> None:
         by_piece = {name.strip(): float(value) for name, value in figures}
         assert by_piece["answer (view + encoding)"] > by_piece["room view"]  # the answer holds the view
     assert "room view" in counted and "body: parse + validate" in counted
+
+
+def test_worker_rows_times_and_counts_both_shapes() -> None:
+    timed = run_bench("bench.worker_rows", "--rows", "400")
+    counted = run_bench("bench.worker_rows", "--rows", "400", "--instructions", timeout_s=300)
+    for out, unit in ((timed, "us of CPU a row"), (counted, "k instructions a row")):
+        figures = dict(re.findall(rf"^  (direct|mq) +([\d.]+) ?{unit}$", out, re.MULTILINE))
+        assert set(figures) == {"direct", "mq"}, out
+        assert all(float(value) > 0 for value in figures.values())
+    counts = dict(re.findall(r"^  (direct|mq) +([\d.]+)k instructions a row$", counted, re.MULTILINE))
+    # the direct shape decodes every row and publishes it row after row: more than the pipeline's (a count,
+    # the same for the same code, unlike the CPU times of 400 rows)
+    assert float(counts["mq"]) < float(counts["direct"])
