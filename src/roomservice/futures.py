@@ -196,12 +196,16 @@ class Bounds:
         """A block bounded by ``delay`` seconds from when it is entered."""
         return _Bound(self._deadlines, delay)
 
+    def until(self, deadline: float) -> _Bound:
+        """A block bounded by ``deadline`` (``loop.time()`` seconds)."""
+        return _Bound(self._deadlines, 0.0, deadline)
+
 
 class _Bound:
-    __slots__ = ("deadline", "deadlines", "delay", "state", "task")
+    __slots__ = ("at", "deadline", "deadlines", "delay", "state", "task")
 
-    def __init__(self, deadlines: Deadlines[_Bound], delay: float) -> None:
-        self.deadlines, self.delay = deadlines, delay
+    def __init__(self, deadlines: Deadlines[_Bound], delay: float, at: float | None = None) -> None:
+        self.deadlines, self.delay, self.at = deadlines, delay, at
         self.deadline = 0.0
         self.state = 0
         self.task: asyncio.Task[Any] | None = None
@@ -218,7 +222,9 @@ class _Bound:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a bound must be entered in a task")
-        self.task, self.state, self.deadline = task, _ENTERED, task.get_loop().time() + self.delay
+        at = self.at
+        self.task, self.state = task, _ENTERED
+        self.deadline = task.get_loop().time() + self.delay if at is None else at
         self.deadlines.watch(self, self.deadline)
         return self
 

@@ -84,3 +84,16 @@ async def test_blocks_that_end_in_time_share_one_timer(monkeypatch: pytest.Monke
             await asyncio.sleep(0)
     assert len(armed) == 1  # asyncio.timeout would have armed (and cancelled) a timer per block
 
+
+
+async def test_a_block_bounded_until_an_instant_times_out_at_that_instant_however_late_it_is_entered() -> None:
+    loop = asyncio.get_running_loop()
+    bounds = Bounds()
+    deadline = loop.time() + 0.1
+    await asyncio.sleep(0.05)  # entered half-way to it: the block has what is left, not 0.1 s more
+    bound = bounds.until(deadline)
+    with pytest.raises(TimeoutError):
+        async with bound:
+            await asyncio.sleep(10)
+    assert bound.deadline == deadline
+    assert deadline - 0.01 <= loop.time() < deadline + 5  # (the timer is armed for bound.deadline)
