@@ -29,10 +29,11 @@ from roomservice.brokers.port import Broker, Delivery
 from roomservice.coalesce import HeldBack
 from roomservice.observability import metrics as m
 from roomservice.observability import tracing
-from roomservice.observability.logging import get_logger, log_context
+from roomservice.observability.logging import context_variable, get_logger
 from roomservice.outbox.policy import RetryPolicy
 
 _log = get_logger("roomservice.consumers")
+_GROUP, _EVENT_ID = context_variable("consumer_group"), context_variable("event_id")  # named on every line
 
 
 class Outcome(StrEnum):
@@ -224,8 +225,12 @@ class GroupRunner:
         if after is not None and not after.done():  # the same key's previous delivery goes first
             await _finished(after)
         # every line a handler logs names the group and the event (the key is the event_id)
-        with log_context(consumer_group=self.group, event_id=delivery.key):
+        named = _GROUP.set(self.group), _EVENT_ID.set(delivery.key)
+        try:
             await self._handle_bound(delivery)
+        finally:
+            _EVENT_ID.reset(named[1])
+            _GROUP.reset(named[0])
 
     async def _handle_bound(self, delivery: Delivery) -> None:
         group = self.group

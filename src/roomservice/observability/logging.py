@@ -174,6 +174,14 @@ class log_context:  # lower case: used like the context manager function it repl
 _variables: dict[str, contextvars.ContextVar[Any]] = {}
 
 
+def context_variable(name: str) -> contextvars.ContextVar[Any]:
+    """structlog's context variable of ``name``: ``token = var.set(value)``, then ``var.reset(token)``,
+    binds ``name`` for every line logged in between as ``with log_context(name=value)`` does, at a
+    sixth of its cost (~0.1 against ~0.7 µs): for a hot path's own values, looked up once."""
+    var = _variables.get(name)
+    return var if var is not None else _variable(name)
+
+
 def _variable(name: str) -> contextvars.ContextVar[Any]:
     """structlog's context variable of ``name`` (created by structlog when it has none yet)."""
     token = bind_contextvars(**{name: Ellipsis})[name]

@@ -68,7 +68,7 @@ from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
 from roomservice.futures import Bounds, Deadlines, Started, started
 from roomservice.observability import tracing
-from roomservice.observability.logging import get_logger, log_context
+from roomservice.observability.logging import context_variable, get_logger
 from roomservice.observability.metrics import (
     HELD_BACK,
     OUTBOX_CLAIM_BATCH,
@@ -86,6 +86,7 @@ from roomservice.publishers.port import PipeliningPublisher, Publisher, PublishE
 from roomservice.wire import decode_event
 
 _log = get_logger("roomservice.outbox")
+_EVENT_ID = context_variable("event_id")  # every line logged while a row is delivered names its event
 
 
 FULL_CLAIM_EVERY_S = 0.25
@@ -634,10 +635,13 @@ class OutboxWorker:
 
     async def deliver(self, row: ClaimedRow) -> Outcome:
         """Publish ``row`` to every target it still needs; never raises. Lines logged meanwhile name the event."""
-        with log_context(event_id=row.event_id):
+        named = _EVENT_ID.set(row.event_id)
+        try:
             if tracing.ENABLED:  # a span continuing the trace stored with the row
                 return await tracing.traced_delivery(row, self._deliver)
             return await self._deliver(row)
+        finally:
+            _EVENT_ID.reset(named)
 
     async def _deliver(self, row: ClaimedRow) -> Outcome:
         route = self._route(row)
