@@ -66,7 +66,8 @@ from typing import Any, cast
 
 from roomservice import errors
 from roomservice.domain.events import PAYLOAD_TYPES, Event
-from roomservice.futures import Bounds, Deadlines, Started, started
+from roomservice.futures import Bounds, Deadlines, Started
+from roomservice.futures import started as run_to_first_wait
 from roomservice.observability import tracing
 from roomservice.observability.logging import context_variable, get_logger
 from roomservice.observability.metrics import (
@@ -763,7 +764,7 @@ class OutboxWorker:
             # run up to its first wait: one that answers at once (an in-process target: the IM sandbox,
             # the activity service) cannot have run out of time, and needs no bound (~1 µs a row); the
             # bound is entered and left as `async with` would, without its two coroutines a row
-            first = started(call)
+            first = run_to_first_wait(call)
             if isinstance(first, Started):
                 bound = self._bounds.until(deadline).enter()
                 try:
