@@ -46,8 +46,8 @@ def _payload_decoder(event_type: str) -> Callable[[pb.RoomOutboxEvent], e.EventP
 
     def payload(envelope: pb.RoomOutboxEvent) -> e.EventPayload:
         values = get_all(getattr(envelope, oneof))
-        if len(names) == 1:
-            return cls(values)
+        if len(names) == 1:  # attrgetter of one name: the value itself
+            values = (values,)
         if repeated:
             values = tuple(tuple(v) if i in repeated else v for i, v in enumerate(values))
         return cls(*values)
