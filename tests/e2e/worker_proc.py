@@ -73,6 +73,10 @@ class PipeliningPublisher(RecordingPublisher):
         return exc
 
 
+def _connected(conn: sa.Connection) -> None:
+    conn.execute(sa.text("SELECT 1"))
+
+
 def _acknowledge(ack: asyncio.Future[Any], message_id: str) -> None:
     if not ack.done():  # the worker gave up on it (cancelled)
         ack.set_result(message_id)
@@ -134,8 +138,9 @@ async def main() -> None:
     settle_after_start()  # the collector as `room-service worker` sets it once started
     try:
         if args.start_on_sigusr1:  # several workers can then start claiming at one instant
-            async with db.read() as conn:  # started up as a bare loop is when it says ready: connected
-                await conn.execute(sa.text("SELECT 1"))
+            # started up as a bare loop is when it says ready: connected, on the connection its claims
+            # take (SQLite: the inline units' own; MariaDB: the pool's, where the held session comes from)
+            await db.run_write(_connected)
             print("ready", flush=True)
             await go.wait()
         async with worker:
