@@ -730,11 +730,7 @@ class OutboxWorker:
 
     def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
         """An attempt's end: None on success, else (permanent, message); beats and counts it."""
-        if error is None:
-            self._beat()
-            _attempted(target, "ok", time.perf_counter() - started)
-            return None
-        outcome, result = self._classify(error)
+        outcome, result = ("ok", None) if error is None else self._classify(error)
         self._beat()
         _attempted(target, outcome, time.perf_counter() - started)
         return result

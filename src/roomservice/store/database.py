@@ -862,8 +862,8 @@ class _HeldSessions:
         self._epoch += 1
 
     async def put_back(self, held: _HeldSession) -> None:
-        if any(h.epoch != self._epoch for h in self._idle):  # a loss since: let the stale ones go
-            stale = [h for h in self._idle if h.epoch != self._epoch]
+        stale = [h for h in self._idle if h.epoch != self._epoch]
+        if stale:  # a loss since: let the stale ones go
             self._idle = [h for h in self._idle if h.epoch == self._epoch]
             await asyncio.gather(*(self.let_go(h) for h in stale))
         if not self._closed and len(self._idle) < self._keep and self.usable(held):
