@@ -102,14 +102,18 @@ async def test_command_timing_counts_in_the_process_registry() -> None:
 
 
 held_entries = st.lists(
-    st.tuples(st.sampled_from(["im_bridge", "activity"]), st.one_of(st.none(), st.floats(0, 10, allow_nan=False))),
+    st.tuples(
+        st.sampled_from(["im_bridge", "activity"]),
+        st.one_of(st.none(), st.floats(0, 10, allow_nan=False)),
+        st.booleans(),  # with a value: counted too, as one entry (inc_and_observe)
+    ),
     max_size=40,
 )
 
 
 @given(held_entries, st.integers(min_value=1, max_value=10))
 def test_held_back_increments_and_observations_export_what_direct_ones_do(
-    entries: list[tuple[str, float | None]], flush_every: int
+    entries: list[tuple[str, float | None, bool]], flush_every: int
 ) -> None:
     one, many = FlushingRegistry(), FlushingRegistry()
     metrics = []
@@ -119,10 +123,14 @@ def test_held_back_increments_and_observations_export_what_direct_ones_do(
         metrics.append((counter, histogram))
     held = HeldBack(many)
     (c_one, h_one), (c_many, h_many) = metrics
-    for i, (group, value) in enumerate(entries):
+    for i, (group, value, counted) in enumerate(entries):
         if value is None:
             c_one.labels(group).inc()
             held._held.append((c_many.labels(group), None))  # as inc() inside a running loop
+        elif counted:
+            c_one.labels(group).inc()
+            h_one.labels(group).observe(value)
+            held._held.append((c_many.labels(group), h_many.labels(group), value))  # as inc_and_observe()
         else:
             h_one.labels(group).observe(value)
             held._held.append((h_many.labels(group), value))
@@ -136,9 +144,14 @@ async def test_held_back_is_applied_once_the_turn_is_over() -> None:
     registry = FlushingRegistry()
     counter = Counter("c_total", "c", registry=registry)
     held = HeldBack(registry)
+    histogram = Histogram("h_seconds", "h", buckets=(0.01, 0.1, 1), registry=registry)
     held.inc(counter)
     held.inc(counter)
-    assert len(held._held) == 2
+    held.inc_and_observe(counter, histogram, 0.05)
+    assert len(held._held) == 3
     await asyncio.sleep(0)  # one turn: the flush the first inc scheduled (call_soon, FIFO) runs before us
     assert not held._held
-    assert registry.get_sample_value("c_total") == 2
+    assert registry.get_sample_value("c_total") == 3
+    assert registry.get_sample_value("h_seconds_count") == 1
+    assert registry.get_sample_value("h_seconds_bucket", {"le": "0.1"}) == 1
+    assert registry.get_sample_value("h_seconds_bucket", {"le": "0.01"}) == 0

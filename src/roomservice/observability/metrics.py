@@ -285,7 +285,8 @@ class HeldBack(_HeldBack):
     """Counter increments and histogram observations of a hot path (a consumer delivery, an outbox
     publish attempt), held back and applied once per turn of the event loop, as
     :class:`CommandMetrics` does for commands: each child incremented once by its count, each
-    histogram child with :func:`observe_many`. Entries: (child, value); None: a counter's +1."""
+    histogram child with :func:`observe_many`. Entries: (child, value), None a counter's +1; or
+    (counter, histogram, value): both at once, one entry."""
 
     def inc(self, counter: Any) -> None:
         """``counter.inc()``, applied by the next flush."""
@@ -295,10 +296,21 @@ class HeldBack(_HeldBack):
         """``histogram.observe(value)``, applied by the next flush."""
         self._hold((histogram, value))
 
-    def _apply(self, batch: list[tuple[Any, float | None]]) -> None:
+    def inc_and_observe(self, counter: Any, histogram: Any, value: float) -> None:
+        """``counter.inc()`` and ``histogram.observe(value)`` (an attempt counted and timed), held as
+        one entry: one append instead of two a row on the outbox worker's row-after-row path."""
+        self._hold((counter, histogram, value))
+
+    def _apply(self, batch: list[tuple[Any, ...]]) -> None:
         counts: dict[Any, int] = {}
         values: dict[Any, list[float]] = {}
-        for child, value in batch:
+        for entry in batch:
+            if len(entry) == 3:
+                counter, child, value = entry
+                counts[counter] = counts.get(counter, 0) + 1
+                values.setdefault(child, []).append(value)
+                continue
+            child, value = entry
             if value is None:
                 counts[child] = counts.get(child, 0) + 1
             else:

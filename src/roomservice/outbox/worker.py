@@ -153,8 +153,7 @@ def _deliveries(target: str, outcome: str) -> Any:
 def _attempted(target: str, outcome: str, seconds: float) -> None:
     """Count and time one publish attempt; held back and applied once per turn of the loop
     (``HELD_BACK``: a counter and a histogram update per attempt were a lock and a bisect each)."""
-    HELD_BACK.inc(_deliveries(target, outcome))
-    HELD_BACK.observe(_publish_seconds(target), seconds)
+    HELD_BACK.inc_and_observe(_deliveries(target, outcome), _publish_seconds(target), seconds)
 
 
 def _publish_seconds(target: str) -> Any:
