@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from roomservice import wire
 from roomservice.domain import commands as c
 from roomservice.domain import events as e
 from roomservice.proto import room_outbox_event_pb2 as pb
@@ -50,6 +53,45 @@ def test_samples_cover_every_event_type():
 def test_every_event_type_round_trips(payload):
     event = envelope(payload)
     assert decode_event(encode_event(event)) == event
+
+
+@pytest.mark.parametrize("payload", SAMPLES, ids=lambda p: p.type)
+def test_a_decoded_event_is_frozen_and_hashes_as_the_one_encoded(payload):
+    # the decoder builds events without their __init__ (wire._builder): they must be what __init__ makes
+    event = envelope(payload)
+    decoded = decode_event(encode_event(event))
+    assert type(decoded) is e.Event and type(decoded.payload) is type(payload)
+    assert hash(decoded) == hash(event) and repr(decoded) == repr(event)
+    for target, name in ((decoded, "room_id"), (decoded.payload, dataclasses.fields(payload)[0].name)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(target, name, "changed")
+    assert decoded == event
+
+
+def test_the_decoders_builder_refuses_a_class_whose_init_does_more_than_set_its_fields():
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        n: int
+
+        def __post_init__(self) -> None:
+            if self.n < 0:
+                raise ValueError("n < 0")
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Derived:
+        n: int
+        twice: int = dataclasses.field(init=False, default=0)
+
+    for cls in (Checked, Derived):
+        with pytest.raises(TypeError, match="does more than set its fields"):
+            wire._builder(cls)
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Plain:
+        a: str
+        b: int = 2
+
+    assert wire._builder(Plain)("x", 3) == Plain("x", 3)
 
 
 @pytest.mark.parametrize("payload", SAMPLES, ids=lambda p: p.type)
