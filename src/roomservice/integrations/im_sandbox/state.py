@@ -87,6 +87,15 @@ class Account:
         return {"user_id": self.user_id, "nick": self.nick, "face_url": self.face_url, "imported_at": self.imported_at}
 
 
+def custom_data(msg_body: list[dict[str, Any]]) -> str | None:
+    """``MsgContent.Data`` of a message body's first custom element (``TIMCustomElem``), if any."""
+    for elem in msg_body:
+        if elem.get("MsgType") == "TIMCustomElem":
+            value = elem.get("MsgContent", {}).get("Data")
+            return value if isinstance(value, str) else None
+    return None
+
+
 @dataclass(slots=True)
 class GroupMessage:
     msg_seq: int
@@ -99,11 +108,7 @@ class GroupMessage:
     @property
     def data(self) -> str | None:
         """``MsgContent.Data`` of the first custom element, if any."""
-        for elem in self.msg_body:
-            if elem.get("MsgType") == "TIMCustomElem":
-                value = elem.get("MsgContent", {}).get("Data")
-                return value if isinstance(value, str) else None
-        return None
+        return custom_data(self.msg_body)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -129,11 +134,8 @@ class C2CMessage:
 
     @property
     def data(self) -> str | None:
-        for elem in self.msg_body:
-            if elem.get("MsgType") == "TIMCustomElem":
-                value = elem.get("MsgContent", {}).get("Data")
-                return value if isinstance(value, str) else None
-        return None
+        """``MsgContent.Data`` of the first custom element, if any."""
+        return custom_data(self.msg_body)
 
     def to_json(self) -> dict[str, Any]:
         return {
