@@ -15,7 +15,15 @@ Prints, for SQLite and MariaDB:
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
 
+With ``--instructions``, instead: one process of each kind (the bare loop, a worker of each shape) drains
+``--rows`` rows under valgrind's callgrind, counted from the start signal to the last delivered row:
+instructions a row in user space (the process's own: not the kernel's, nor the database server's), the
+same count for the same code however busy the machine is. On SQLite one process draining is bound by
+its CPU, and the bare loop's count over the worker's is the rate ratio were user-space instructions all
+there is; on MariaDB it is the client's share only.
+
     .venv/bin/python -m bench.outbox_drain [--backend sqlite|mariadb|both] [--rows N] [--rounds N]
+    .venv/bin/python -m bench.outbox_drain --instructions [--backend ...] [--rows N]
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from bench import callgrind
 from bench.bare import claim_finish_cycles, open_raw, owner_name
 from bench.common import DIRECT_MODE, fresh_database, percentile
 from roomservice.bootstrap import Process
@@ -83,12 +92,12 @@ async def delivered_count(url: str) -> int:
         await db.dispose()
 
 
-def _spawn(args: list[str]) -> subprocess.Popen[str]:
+def _spawn(args: list[str], prefix: list[str] | None = None) -> subprocess.Popen[str]:
     # this checkout's src first: a second worktree (an A/B) shares the venv, whose editable install points
     # at another checkout's src; with only ROOT on the path its worker processes ran that other code
     path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": path})
+    proc = subprocess.Popen([*(prefix or []), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -124,23 +133,53 @@ async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]]) -
 SHAPES = {"direct": [], "mq": ["--pipelined"]}  # the publisher's shape: worker_proc's arguments
 
 
+def drain_command(kind: str, url: str, i: int) -> list[str]:
+    """The command line of drain process ``i`` of ``kind``: "raw" (the bare loop) or a worker shape."""
+    if kind == "raw":
+        return [sys.executable, "-m", "bench.outbox_drain", "--raw-loop", url, owner_name("r", i)]
+    return [sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", owner_name("w", i),
+            "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1", *SHAPES[kind]]
+
+
 async def worker_drain(backend: str, workers: int, rows: int, shape: str) -> tuple[float, float]:
     async with fresh_database(backend) as url:
         await seed(url, rows)
-        procs = [
-            _spawn([sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", owner_name("w", i),
-                    "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1", *SHAPES[shape]])
-            for i in range(workers)
-        ]
-        return await timed_drain(url, rows, procs)
+        return await timed_drain(url, rows, [_spawn(drain_command(shape, url, i)) for i in range(workers)])
 
 
 async def raw_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:
+    return await worker_drain(backend, workers, rows, "raw")
+
+
+async def counted_drain(backend: str, rows: int, kind: str) -> float:
+    """Instructions a row of one process of ``kind`` draining ``rows`` rows under callgrind, counted from
+    the start signal to the last delivered row."""
     async with fresh_database(backend) as url:
         await seed(url, rows)
-        procs = [_spawn([sys.executable, "-m", "bench.outbox_drain", "--raw-loop", url, owner_name("r", i)])
-                 for i in range(workers)]
-        return await timed_drain(url, rows, procs)
+        with tempfile.TemporaryDirectory(prefix="roombench-callgrind-") as counts:
+            proc = _spawn(drain_command(kind, url, 0), prefix=callgrind.callgrind_prefix(Path(counts)))
+            counter = callgrind.PhaseCounter(proc.pid, Path(counts))
+            try:
+                counter.phase("drain")
+                proc.send_signal(signal.SIGUSR1)
+                while await delivered_count(url) < rows:
+                    await asyncio.sleep(0.2)
+                counter.phase("done")
+            finally:
+                proc.terminate()
+                proc.wait(timeout=120)
+            return counter.totals()["drain"] / rows
+
+
+async def instructions(backends: list[str], rows: int) -> None:
+    for backend in backends:
+        counted = {kind: await counted_drain(backend, rows, kind) for kind in ("raw", "direct", "mq")}
+        raw = counted["raw"]
+        for shape in SHAPES:
+            print(f"[{backend}] one process, {shape:6} publisher: {counted[shape] / 1e3:6.1f}k instructions a row   "
+                  f"bare loop: {raw / 1e3:6.1f}k   bare / worker {raw / counted[shape]:.2f}x"
+                  f"{' (the CPU-bound rate ratio, user space only)' if backend == 'sqlite' else ' (the client only)'}",
+                  flush=True)
 
 
 async def raw_loop(url: str, owner: str) -> None:
@@ -299,11 +338,21 @@ def main() -> None:
     parser.add_argument("--rooms", type=int, default=50, help="rooms of the latency run (1: one busy room)")
     parser.add_argument("--idle-seconds", type=float, default=10.0, help="length of the idle run (0: skip)")
     parser.add_argument("--rounds", type=int, default=3, help="drains of each shape and of the bare loop, alternating")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count one process of each kind under callgrind instead (--rows, --backend only)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.rows < 1:
+        parser.error("--rows must be at least 1")
     configure_logging(level="warning", json=True, file=open(os.devnull, "w"))  # noqa: SIM115
     backends = ["sqlite", "mariadb"] if args.backend == "both" else [args.backend]
+    if args.instructions:
+        if missing := callgrind.available():
+            parser.error(f"--instructions needs valgrind: missing {missing}")
+        print(f"outbox drain, instructions under callgrind: {args.rows} rows, batch {BATCH}, one process", flush=True)
+        asyncio.run(instructions(backends, args.rows))
+        return
     print(f"outbox drain benchmark: {args.rows} rows, batch {BATCH}; {os.cpu_count()} cpus", flush=True)
     workers_list = [int(n) for n in args.workers.split(",") if n.strip()]  # "": the latency run only
     asyncio.run(run(backends, args.rows, workers_list=workers_list, rate=args.rate,

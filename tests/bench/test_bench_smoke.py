@@ -101,6 +101,21 @@ def test_outbox_drain_runs() -> None:
     assert "a row may cost" in out  # what 0.9x leaves the worker above the bare loop's CPU a row
 
 
+def test_outbox_drain_counts_each_kind_of_process_under_callgrind() -> None:
+    out = run_bench("bench.outbox_drain", "--instructions", "--backend", "sqlite", "--rows", "400", timeout_s=300)
+    lines = re.findall(
+        r"^\[sqlite\] one process, (direct|mq) +publisher: +([\d.]+)k instructions a row +bare loop: +([\d.]+)k"
+        r" +bare / worker ([\d.]+)x",
+        out,
+        re.MULTILINE,
+    )
+    assert {shape for shape, *_ in lines} == {"direct", "mq"}, out
+    for _, worker, bare, ratio in lines:
+        # the worker issues the bare loop's statements and does more besides: a count, the same for the same code
+        assert 0 < float(bare) < float(worker)
+        assert float(ratio) == pytest.approx(float(bare) / float(worker), abs=0.01)
+
+
 def test_drain_allowance_is_what_the_target_leaves_above_the_bare_cpu() -> None:
     from bench.outbox_drain import allowance
 
