@@ -82,7 +82,14 @@ def test_the_decoders_builder_refuses_a_class_whose_init_does_more_than_set_its_
         n: int
         twice: int = dataclasses.field(init=False, default=0)
 
-    for cls in (Checked, Derived):
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Normalised:  # an __init__ written in the class body: dataclass keeps it
+        name: str
+
+        def __init__(self, name: str) -> None:
+            object.__setattr__(self, "name", name.lower())
+
+    for cls in (Checked, Derived, Normalised):
         with pytest.raises(TypeError, match="does more than set its fields"):
             wire._builder(cls)
 
