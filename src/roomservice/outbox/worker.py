@@ -267,6 +267,9 @@ class OutboxWorker:
         self._bounds = Bounds()  # the publish attempts' publish_timeout: one timer for those in flight
         self._carried: list[ClaimedRow] | None = None  # claimed by the last finish, published next cycle
         self._deferred = False  # the last cycle handed rows back that were due: no poll sleep before the next
+        # the loop run() runs on: asyncio.get_running_loop() makes a getpid system call every time (3.11),
+        # once a row and target in _publish (~0.25 us here); None, or closed, outside run() (a test's deliver())
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -305,6 +308,7 @@ class OutboxWorker:
 
     async def run(self) -> None:
         _log.info("outbox_worker_started", owner=self.owner, mode=self.options.mode.value)
+        self._loop = asyncio.get_running_loop()
         while not self._stopping:
             woken = self._wakeup.is_set()
             self._wakeup.clear()
@@ -744,7 +748,10 @@ class OutboxWorker:
         started_at = time.perf_counter()
         # the attempt's one deadline: the worker's bound (a publisher may ignore it), and the same
         # instant given to the publisher
-        deadline = asyncio.get_running_loop().time() + self.options.publish_timeout_s
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.publish_timeout_s
         try:
             if event is None:
                 call = publisher.publish_claimed(  # type: ignore[attr-defined]
