@@ -141,10 +141,11 @@ def drain_command(kind: str, url: str, i: int) -> list[str]:
             "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1", *SHAPES[kind]]
 
 
-async def worker_drain(backend: str, workers: int, rows: int, shape: str) -> tuple[float, float]:
+async def worker_drain(backend: str, workers: int, rows: int, kind: str) -> tuple[float, float]:
+    """``workers`` processes of ``kind`` (a worker shape, or "raw": the bare loop) drain ``rows`` fresh rows."""
     async with fresh_database(backend) as url:
         await seed(url, rows)
-        return await timed_drain(url, rows, [_spawn(drain_command(shape, url, i)) for i in range(workers)])
+        return await timed_drain(url, rows, [_spawn(drain_command(kind, url, i)) for i in range(workers)])
 
 
 async def raw_drain(backend: str, workers: int, rows: int) -> tuple[float, float]:

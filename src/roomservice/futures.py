@@ -12,8 +12,8 @@ for the earliest instead of an ``asyncio.timeout`` (a timer armed and cancelled)
 the outbox worker's pipelined acknowledgements, the group commit's saves and the SQLite units
 (issue 12: ~7-10 us of CPU per timer on this machine).
 
-``Bounds``: the same for blocks of code: ``async with bounds.within(delay)`` is
-``async with asyncio.timeout(delay)`` (the task is cancelled at the deadline, the block raises
+``Bounds``: the same for blocks of code: ``async with bounds.until(deadline)`` is
+``async with asyncio.timeout_at(deadline)`` (the task is cancelled at the deadline, the block raises
 ``TimeoutError``, a cancellation from elsewhere stays a cancellation), with one timer for every
 block in flight: the outbox worker's publish attempts, one per row and target.
 """
@@ -193,21 +193,16 @@ class Bounds:
     def __init__(self) -> None:
         self._deadlines: Deadlines[_Bound] = Deadlines(_Bound.expire)
 
-    def within(self, delay: float) -> _Bound:
-        """A block bounded by ``delay`` seconds from when it is entered."""
-        return _Bound(self._deadlines, delay)
-
     def until(self, deadline: float) -> _Bound:
-        """A block bounded by ``deadline`` (``loop.time()`` seconds)."""
-        return _Bound(self._deadlines, 0.0, deadline)
+        """A block bounded by ``deadline`` (``loop.time()`` seconds), however late it is entered."""
+        return _Bound(self._deadlines, deadline)
 
 
 class _Bound:
-    __slots__ = ("at", "deadline", "deadlines", "delay", "state", "task")
+    __slots__ = ("deadline", "deadlines", "state", "task")
 
-    def __init__(self, deadlines: Deadlines[_Bound], delay: float, at: float | None = None) -> None:
-        self.deadlines, self.delay, self.at = deadlines, delay, at
-        self.deadline = 0.0
+    def __init__(self, deadlines: Deadlines[_Bound], deadline: float) -> None:
+        self.deadlines, self.deadline = deadlines, deadline
         self.state = 0
         self.task: asyncio.Task[Any] | None = None
 
@@ -223,9 +218,7 @@ class _Bound:
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("a bound must be entered in a task")
-        at = self.at
         self.task, self.state = task, _ENTERED
-        self.deadline = task.get_loop().time() + self.delay if at is None else at
         self.deadlines.watch(self, self.deadline)
         return self
 

@@ -7,12 +7,17 @@ from typing import Any
 
 import pytest
 
-from roomservice.futures import Bounds
+from roomservice.futures import Bounds, _Bound
+
+
+def _within(bounds: Bounds, delay: float) -> _Bound:
+    """A block bounded ``delay`` seconds from now."""
+    return bounds.until(asyncio.get_running_loop().time() + delay)
 
 
 async def test_a_block_that_ends_in_time_is_left_alone() -> None:
     bounds = Bounds()
-    async with bounds.within(1.0):
+    async with _within(bounds, 1.0):
         await asyncio.sleep(0)
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0
@@ -23,12 +28,12 @@ async def test_a_block_past_its_deadline_raises_timeout_and_the_task_goes_on() -
     bounds = Bounds()
     start = loop.time()
     with pytest.raises(TimeoutError):
-        async with bounds.within(0.05):
+        async with _within(bounds, 0.05):
             await asyncio.sleep(10)
     assert 0.05 - 0.01 <= loop.time() - start < 5
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0  # the cancellation was taken back
-    async with bounds.within(1.0):  # the same bounds serve the next block
+    async with _within(bounds, 1.0):  # the same bounds serve the next block
         await asyncio.sleep(0.01)
 
 
@@ -40,7 +45,7 @@ async def test_each_block_times_out_at_its_own_deadline_and_no_other() -> None:
 
     async def block(name: str, delay: float, work: float) -> None:
         try:
-            async with bounds.within(delay):
+            async with _within(bounds, delay):
                 await asyncio.sleep(work)
             ended[name] = "done"
         except TimeoutError:
@@ -57,7 +62,7 @@ async def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
     entered = asyncio.Event()
 
     async def bounded() -> None:
-        async with bounds.within(10):
+        async with _within(bounds, 10):
             entered.set()
             await asyncio.sleep(10)
 
@@ -80,7 +85,7 @@ async def test_blocks_that_end_in_time_share_one_timer(monkeypatch: pytest.Monke
     monkeypatch.setattr(loop, "call_at", counting)
     bounds = Bounds()
     for _ in range(100):
-        async with bounds.within(5.0):
+        async with _within(bounds, 5.0):
             await asyncio.sleep(0)
     assert len(armed) == 1  # asyncio.timeout would have armed (and cancelled) a timer per block
 
