@@ -298,3 +298,39 @@ async def test_a_pipeline_gives_the_claim_ahead_turns_of_the_loop_while_it_sends
         pass
     assert sorted(publisher.sent) == sorted(ev.event_id for ev in events)
     assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 25
+
+
+class NotingRepository:
+    """The real repository; notes how many publishes had been attempted when each claim ahead started."""
+
+    def __init__(self, inner: SqlOutboxRepository, publisher: FakePublisher) -> None:
+        self.inner, self.publisher = inner, publisher
+        self.attempted_at_start: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def finish_and_claim(self, **kwargs: Any) -> tuple[int, list[Any]]:
+        self.attempted_at_start.append(len(self.publisher.calls))
+        return await self.inner.finish_and_claim(**kwargs)
+
+
+async def test_a_batch_of_lanes_lets_the_claim_ahead_start_before_its_first_publish(
+    database: Database, clock: Clock
+) -> None:
+    """Rooms published row after row, to a target that takes each row at once: the lanes never
+    suspend, and the claim ahead (the last finish and the next claim, one transaction) would only
+    begin once the batch's last row was published, its round trips overlapping none of it."""
+    events = [make_event(JOINED, room=f"r{n}") for n in range(25)]
+    await insert_rows(database, *events)
+    publisher = FakePublisher(BROKER)  # not pipelining: a lane per room
+    w = worker(database, clock, publisher, batch_size=10)
+    noting = NotingRepository(cast(SqlOutboxRepository, w.repository), publisher)
+    w.repository = noting
+    assert await w.run_once() == 10  # a full batch: the next one is claimed ahead
+    assert noting.attempted_at_start == [0]
+    assert len(publisher.calls) == 10
+    while await w.run_once():
+        pass
+    assert sorted(publisher.delivered) == sorted(ev.event_id for ev in events)
+    assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 25
