@@ -116,3 +116,29 @@ async def test_an_acknowledgement_whose_callback_comes_after_the_pipeline_ended_
         await batch
     await asyncio.sleep(0)
     assert grown(before, attempts(BROKER)) == {"ok": 1, "timed": 1}
+
+
+def commit_to_delivered() -> tuple[float, float]:
+    """(count, sum) of ``room_outbox_commit_to_delivered_seconds`` so far."""
+    name = "room_outbox_commit_to_delivered_seconds"
+    return (
+        REGISTRY.get_sample_value(f"{name}_count") or 0.0,
+        REGISTRY.get_sample_value(f"{name}_sum") or 0.0,
+    )
+
+
+async def test_each_delivered_row_observes_its_age_once_and_a_row_from_the_future_observes_zero(
+    database: Database, clock: Clock
+) -> None:
+    failing, old, skewed = (make_event(JOINED, room=room) for room in ("failing", "old", "skewed"))
+    await insert_rows(database, failing, now=clock() - 10_000)  # the batch's first row: its attempt fails
+    await insert_rows(database, old, now=clock() - 30_000)  # committed 30 s before the worker's clock
+    await insert_rows(database, skewed, now=clock() + 5_000)  # a writer whose clock runs ahead
+    im, activity = FakePublisher("im"), FakePublisher("activity")
+    activity.fail_times = 1  # the first attempt fails: that row is not delivered, and observes nothing
+    count, total = commit_to_delivered()
+    assert await direct_worker(database, clock, im, activity).run_once() == 3
+    assert activity.delivered == [old.event_id, skewed.event_id]
+    grown_count, grown_sum = (now - then for now, then in zip(commit_to_delivered(), (count, total), strict=True))
+    assert grown_count == 2
+    assert grown_sum == pytest.approx(30.0)
