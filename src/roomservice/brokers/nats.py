@@ -237,6 +237,9 @@ class NatsBroker:
         # inbox prefix is unique to this broker, so a counter is unique enough). No timer per
         # message: each caller bounds its wait with its own deadline.
         self._ack_prefix: str | None = None
+        # the loop the subscription was made on, whose futures the acknowledgements resolve: looked up
+        # once (asyncio.get_running_loop() makes a getpid system call every time in 3.11)
+        self._acks_on: tuple[str, asyncio.AbstractEventLoop] | None = None
         self._ack_sub: Any = None
         self._ack_lock = asyncio.Lock()
         self._acks: dict[str, asyncio.Future[str]] = {}
@@ -318,13 +321,13 @@ class NatsBroker:
         """Write one JetStream publish on the connection (in call order) and return the future
         of its message id. ``headers`` is the caller's own dict (the expected-stream header is
         added to it). Raises the port's error when nats-py refuses the message itself."""
-        prefix = self._ack_prefix or await self._subscribe_acks()
+        prefix, loop = self._acks_on or await self._subscribe_acks()
         acks = self._acks
         if len(acks) >= _ACKS_LIMIT:  # callers that never give up: a bound, not a queue
             raise BrokerUnavailable(f"NATS: {len(acks)} publishes wait for their acknowledgement")
         self._ack_counter += 1
         token = str(self._ack_counter)
-        ack: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        ack: asyncio.Future[str] = loop.create_future()
         acks[token] = ack
         # pop(token, ack): a cancelled (given up) publish lets go of its entry; an answered one
         # was popped by the handler already. A C-level callback, no Python frame.
@@ -339,10 +342,11 @@ class NatsBroker:
             raise
         return ack
 
-    async def _subscribe_acks(self) -> str:
-        """The wildcard subscription every acknowledgement comes to (the first publish makes it)."""
+    async def _subscribe_acks(self) -> tuple[str, asyncio.AbstractEventLoop]:
+        """The wildcard subscription every acknowledgement comes to (the first publish makes it): its
+        subjects' prefix, and the loop it was made on."""
         async with self._ack_lock:
-            if self._ack_prefix is None:
+            if self._acks_on is None:
                 prefix = f"{self._nc.new_inbox()}."
                 with _mapped():
                     # A cb subscription: nats-py's reader queues the replies and one task runs
@@ -351,7 +355,8 @@ class NatsBroker:
                     # meant for one reply; using one for many would rely on nats-py internals.)
                     self._ack_sub = await self._nc.subscribe(prefix + "*", cb=self._acknowledged)
                 self._ack_prefix = prefix
-            return self._ack_prefix
+                self._acks_on = prefix, asyncio.get_running_loop()
+            return self._acks_on
 
     async def _acknowledged(self, msg: Msg) -> None:
         """One JetStream answer: resolve its publish's future (one already given up on is gone: ignored)."""

@@ -470,7 +470,7 @@ async def test_a_jetstream_error_answer_to_a_send_is_refused_for_good(shared_bro
 async def test_jetstream_answers_map_to_the_ports_outcomes(
     shared_broker: NatsBroker, data: bytes, headers: dict[str, str] | None, outcome: str | type[Exception]
 ) -> None:
-    prefix = await shared_broker._subscribe_acks()
+    prefix, _ = await shared_broker._subscribe_acks()
     ack: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     shared_broker._acks["t"] = ack
     await shared_broker._acknowledged(Msg(shared_broker._nc, subject=f"{prefix}t", data=data, headers=headers))
