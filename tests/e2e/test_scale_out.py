@@ -56,6 +56,7 @@ from roomservice.proto import room_api_pb2 as pb
 pytestmark = pytest.mark.slow
 
 TTL_S = 2.0  # cluster_config's lease.ttl
+UNANSWERED_AVOID_S = 5.0  # how long load() sends no new command to a node that gave no answer
 DOCKER_YAML = Path(__file__).resolve().parents[2] / "configs" / "docker.yaml"
 
 
@@ -171,20 +172,35 @@ def check_no_version_twice(acked: list[dict[str, Any]]) -> None:
 async def load(
     nodes: list[Node], room: str, acked: list[dict[str, Any]], stop: asyncio.Event, *, clients: int = 4
 ) -> None:
-    """Joins on ``room`` spread over ``nodes`` until ``stop``; each retried on 503 until it is answered."""
+    """Joins on ``room`` spread over ``nodes`` until ``stop``; each retried on 503 until it is answered.
+
+    A node that gave no answer (a paused process: the 3 s client timeout; a killed one: refused)
+    gets no new command for ``UNANSWERED_AVOID_S``, as a load balancer's passive check would do:
+    otherwise every third new command of each caller waited out the timeout on it, and the time
+    to 20 answers after a pause (~8.3 s, against the test's 10 s) measured those waits, not the
+    takeover. Retries of a command still go round every node."""
+    unanswered: dict[str, float] = {}  # node url -> when it last gave no answer
     async with httpx.AsyncClient(timeout=3.0) as http:
+
+        def first_node(k: int) -> Node:
+            for step in range(len(nodes)):
+                node = nodes[(k + step) % len(nodes)]
+                if time.monotonic() - unanswered.get(node.url, float("-inf")) >= UNANSWERED_AVOID_S:
+                    return node
+            return nodes[k % len(nodes)]
 
         async def client(n: int) -> None:
             i = 0
             while not stop.is_set():
                 user = f"u{n}-{i}"
-                node = nodes[(n + i) % len(nodes)]
+                node = first_node(n + i)
                 body = {"command_id": f"join-{user}", "user_id": user}
                 while True:  # the same command_id until a definite answer (any live node)
                     try:
                         resp = await http.post(f"{node.url}/v1/apps/{APP}/rooms/{room}/join", json=body)
                     except httpx.HTTPError:
                         resp = None
+                        unanswered[node.url] = time.monotonic()
                     if resp is not None and resp.status_code == 200:
                         data = resp.json()
                         acked.append({"user": user, "version": data["version"], "replayed": data["replayed"]})
