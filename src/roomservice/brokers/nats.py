@@ -236,9 +236,9 @@ class NatsBroker:
         # publish), the outstanding ones by token, and the counter the tokens come from (the
         # inbox prefix is unique to this broker, so a counter is unique enough). No timer per
         # message: each caller bounds its wait with its own deadline.
-        self._ack_prefix: str | None = None
-        # the loop the subscription was made on, whose futures the acknowledgements resolve: looked up
-        # once (asyncio.get_running_loop() makes a getpid system call every time in 3.11)
+        # The subscription's subject prefix and the loop it was made on, whose futures the
+        # acknowledgements resolve (looked up once: asyncio.get_running_loop() makes a getpid
+        # system call every time in 3.11).
         self._acks_on: tuple[str, asyncio.AbstractEventLoop] | None = None
         self._ack_sub: Any = None
         self._ack_lock = asyncio.Lock()
@@ -354,13 +354,13 @@ class NatsBroker:
                     # queued. (Its ``future=`` subscriptions are resolved inline, but they are
                     # meant for one reply; using one for many would rely on nats-py internals.)
                     self._ack_sub = await self._nc.subscribe(prefix + "*", cb=self._acknowledged)
-                self._ack_prefix = prefix
                 self._acks_on = prefix, asyncio.get_running_loop()
             return self._acks_on
 
     async def _acknowledged(self, msg: Msg) -> None:
         """One JetStream answer: resolve its publish's future (one already given up on is gone: ignored)."""
-        ack = self._acks.pop(msg.subject[len(self._ack_prefix or "") :], None)
+        prefix = self._acks_on[0] if self._acks_on is not None else ""
+        ack = self._acks.pop(msg.subject[len(prefix) :], None)
         if ack is None or ack.done():
             return
         data = msg.data
