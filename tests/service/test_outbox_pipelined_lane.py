@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -253,10 +254,11 @@ async def test_past_max_room_lane_a_late_batch_leaves_a_rooms_backlog_to_the_nex
 
 class SteppingRepository:
     """The real repository; ``finish_and_claim`` (the claim ahead, under a backlog) first takes a few
-    turns of the loop, as a transaction's round trips do, noting how many rows had been sent by then."""
+    turns of the loop, as a transaction's round trips do, noting at each how many rows had been sent
+    by then (``sent()``)."""
 
-    def __init__(self, inner: SqlOutboxRepository, publisher: PipeliningPublisher) -> None:
-        self.inner, self.publisher = inner, publisher
+    def __init__(self, inner: SqlOutboxRepository, sent: Callable[[], int]) -> None:
+        self.inner, self.sent = inner, sent
         self.sent_at_steps: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -264,7 +266,7 @@ class SteppingRepository:
 
     async def finish_and_claim(self, **kwargs: Any) -> tuple[int, list[Any]]:
         for _ in range(3):
-            self.sent_at_steps.append(len(self.publisher.sent))
+            self.sent_at_steps.append(self.sent())
             await asyncio.sleep(0)
         return await self.inner.finish_and_claim(**kwargs)
 
@@ -288,7 +290,7 @@ async def test_a_pipeline_gives_the_claim_ahead_turns_of_the_loop_while_it_sends
     await insert_rows(database, *events)
     publisher = SlowSends()
     w = worker(database, clock, publisher, batch_size=10)
-    stepping = SteppingRepository(cast(SqlOutboxRepository, w.repository), publisher)
+    stepping = SteppingRepository(cast(SqlOutboxRepository, w.repository), lambda: len(publisher.sent))
     w.repository = stepping
     assert await w.run_once() == 10  # a full batch: the next one is claimed ahead while it sends
     # the claim ahead took its turns while the batch was being sent, not after its last send
@@ -298,21 +300,6 @@ async def test_a_pipeline_gives_the_claim_ahead_turns_of_the_loop_while_it_sends
         pass
     assert sorted(publisher.sent) == sorted(ev.event_id for ev in events)
     assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 25
-
-
-class NotingRepository:
-    """The real repository; notes how many publishes had been attempted when each claim ahead started."""
-
-    def __init__(self, inner: SqlOutboxRepository, publisher: FakePublisher) -> None:
-        self.inner, self.publisher = inner, publisher
-        self.attempted_at_start: list[int] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def finish_and_claim(self, **kwargs: Any) -> tuple[int, list[Any]]:
-        self.attempted_at_start.append(len(self.publisher.calls))
-        return await self.inner.finish_and_claim(**kwargs)
 
 
 async def test_a_batch_of_lanes_lets_the_claim_ahead_start_before_its_first_publish(
@@ -325,10 +312,10 @@ async def test_a_batch_of_lanes_lets_the_claim_ahead_start_before_its_first_publ
     await insert_rows(database, *events)
     publisher = FakePublisher(BROKER)  # not pipelining: a lane per room
     w = worker(database, clock, publisher, batch_size=10)
-    noting = NotingRepository(cast(SqlOutboxRepository, w.repository), publisher)
-    w.repository = noting
+    stepping = SteppingRepository(cast(SqlOutboxRepository, w.repository), lambda: len(publisher.calls))
+    w.repository = stepping
     assert await w.run_once() == 10  # a full batch: the next one is claimed ahead
-    assert noting.attempted_at_start == [0]
+    assert stepping.sent_at_steps[0] == 0  # its first step came before any row was published
     assert len(publisher.calls) == 10
     while await w.run_once():
         pass
