@@ -754,9 +754,10 @@ class OutboxWorker:
             )
         return "retryable", (False, repr(error))  # a publisher bug is retried, like an outage
 
-    def _result(self, target: str, started: float, error: BaseException | None) -> tuple[bool, str] | None:
-        """An attempt's end: None on success, else (permanent, message); beats and counts it."""
-        outcome, result = ("ok", None) if error is None else self._classify(error)
+    def _failed(self, target: str, started: float, error: BaseException) -> tuple[bool, str] | None:
+        """A failed attempt's end, (permanent, message); beats and counts it (a success is counted
+        where it ends, in ``_publish``)."""
+        outcome, result = self._classify(error)
         self._beat()
         _attempted(target, outcome, time.perf_counter() - started)
         return result
@@ -800,8 +801,8 @@ class OutboxWorker:
                     raise
                 bound.exit(None)
         except Exception as exc:
-            return self._result(target, started_at, exc)
-        # succeeded (almost every attempt): beat, count and time it as _result does, without its calls
+            return self._failed(target, started_at, exc)
+        # succeeded (almost every attempt): beat, count and time it as _failed does a failure, without its calls
         self._last_beat = time.monotonic()
         counter, histogram = _SUCCEEDED.get(target) or _succeeded(target)
         HELD_BACK.inc_and_observe(counter, histogram, time.perf_counter() - started_at)
