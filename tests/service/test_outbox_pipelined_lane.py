@@ -223,6 +223,56 @@ async def test_the_pipeline_keeps_at_most_publish_concurrency_attempts_open(data
     assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 7
 
 
+class CountedFuture(asyncio.Future[None]):
+    """An acknowledgement that counts the done callbacks put on it."""
+
+    callbacks = 0
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        CountedFuture.callbacks += 1
+        super().add_done_callback(fn, context=context)
+
+
+class CountingPublisher(PipeliningPublisher):
+    async def send_claimed(self, *, event_id: str, **kw: Any) -> asyncio.Future[None]:
+        await super().send_claimed(event_id=event_id, **kw)
+        ack = self.acks[event_id] = CountedFuture()  # settled by the test, or by settle() a turn later
+        return ack
+
+
+async def test_acknowledgements_that_come_in_together_are_taken_in_with_one_callback(
+    database: Database, clock: Clock
+) -> None:
+    """A pipeline takes its acknowledgements in send order as far as they are in, with one callback
+    waiting on the first that is not: not one callback (a loop ``Handle``) a row."""
+    events = one_room(8)
+    await insert_rows(database, *events)
+    publisher = CountingPublisher()  # every row sent at once; the acknowledgements all come a turn later
+    CountedFuture.callbacks = 0
+    assert await worker(database, clock, publisher, publish_concurrency=16).run_once() == 8
+    assert [(await row(database, ev.event_id)).status for ev in events] == ["delivered"] * 8
+    assert CountedFuture.callbacks == 1
+
+
+async def test_acknowledgements_that_come_in_reverse_order_each_end_their_own_row(
+    database: Database, clock: Clock
+) -> None:
+    events = [make_event(JOINED, room=f"r{n}") for n in range(5)]
+    await insert_rows(database, *events)
+    publisher = CountingPublisher(auto=False)
+    publisher.fail[events[1].event_id] = RetryableError("broker busy")
+    publisher.expected_sends = 5
+    batch = asyncio.create_task(worker(database, clock, publisher).run_once())
+    async with asyncio.timeout(10):
+        await publisher.sends.wait()
+    for event_id in reversed(publisher.sent):  # the last sent is the first acknowledged
+        publisher.settle(event_id)
+        await asyncio.sleep(0)
+    assert await batch == 5
+    statuses = [(await row(database, ev.event_id)).status for ev in events]
+    assert statuses == ["delivered", "retryable", "delivered", "delivered", "delivered"]
+
+
 async def test_a_send_that_never_returns_times_out_alone_and_the_rest_go_on(database: Database, clock: Clock) -> None:
     first, stuck, last = [make_event(JOINED, room=f"r{n}") for n in range(3)]
     await insert_rows(database, first, stuck, last)

@@ -55,6 +55,7 @@ fails while cycles fail or when the loop has not moved for ``stale_after_s``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import time
@@ -942,11 +943,16 @@ class _Pipeline:
     at most ``publish_concurrency`` attempts at once with the batch's lanes, each attempt bounded
     by its own ``publish_timeout``.
 
-    Per row this costs a send and a done callback: the acknowledgements' deadlines share one timer
-    (:class:`~roomservice.futures.Deadlines`: one past its own is cancelled, which its callback
-    counts as a timeout); the sends share one asyncio timeout (``_BOUND_GRAIN_S``); the
-    attempts' latencies and outcomes go to the metrics held back (``HELD_BACK``). While the claim
-    ahead is in flight the sends give the loop a turn every ``_TURN_S`` (``_Turns``)."""
+    Per row this costs a send and no callback of its own: the acknowledgements are taken in send
+    order (the order a pipelining target acknowledges in), as far as they are in, with one done
+    callback waiting on the first that is not (a callback an acknowledgement was a ``Handle`` made
+    and run by the loop a row: issue 12, ~4k instructions). An attempt is timed when it is taken in,
+    so one acknowledged before the one sent ahead of it is timed with that one. The
+    acknowledgements' deadlines share one timer (:class:`~roomservice.futures.Deadlines`: one past
+    its own is cancelled and taken in as a timeout); the sends share one asyncio timeout
+    (``_BOUND_GRAIN_S``); the attempts' latencies and outcomes go to the metrics held back
+    (``HELD_BACK``). While the claim ahead is in flight the sends give the loop a turn every
+    ``_TURN_S`` (``_Turns``)."""
 
     def __init__(self, worker: OutboxWorker, semaphore: Slots, turns: _Turns) -> None:
         self.worker = worker
@@ -958,6 +964,10 @@ class _Pipeline:
         self.deadlines = Deadlines(_give_up)  # the acknowledgements not in yet
         self.acknowledged: dict[str, list[float]] = {}  # by target: latencies of the attempts that succeeded
         self.counting = True  # until run() counts them
+        # the attempts sent and not taken in yet, in send order: (acknowledgement, row, target, publisher, t0)
+        self.sent: collections.deque[tuple[asyncio.Future[Any], ClaimedRow, str, PipeliningPublisher, float]]
+        self.sent = collections.deque()
+        self.watched: asyncio.Future[Any] | None = None  # the first not in yet, which a callback waits on
         self.outstanding = 0
         self.idle: asyncio.Future[None] | None = None  # set when the last acknowledgement is in
 
@@ -973,7 +983,8 @@ class _Pipeline:
         finally:
             for ack in self.deadlines.close():  # cancelled: let go of the acknowledgements still outstanding
                 ack.cancel()
-            self.counting = False  # an acknowledgement whose callback comes later is counted on its own
+            self._take_in()  # every one is done now: each ends here, a let-go one as a timeout
+            self.counting = False
             for target, latencies in self.acknowledged.items():  # counted once a batch, not once an attempt
                 _deliveries(target, "ok").inc(len(latencies))
                 observe_many(_publish_seconds(target), latencies)
@@ -1026,8 +1037,12 @@ class _Pipeline:
                             self.outcomes.append(self._ended(row, target, t0, exc))
                         else:
                             self.outstanding += 1
-                            ack.add_done_callback(partial(self._acknowledged, row, target, publisher, t0))
-                            self.deadlines.watch(ack, now + self.timeout)
+                            sent = self.sent
+                            sent.append((ack, row, target, publisher, t0))
+                            if len(sent) == 1:  # the first not taken in: taken now, or a callback waits on it
+                                self._take_in()
+                            if not ack.done():
+                                self.deadlines.watch(ack, now + self.timeout)
                         sending = False
                         i += 1
                         if self.turns.due():
@@ -1044,6 +1059,20 @@ class _Pipeline:
         self.worker._beat()
         _attempted(target, outcome, time.perf_counter() - t0)
         return self.worker._outcome(row, target, result)
+
+    def _take_in(self, _: object = None) -> None:
+        """End the attempts whose acknowledgements are in, in send order, up to the first that is not,
+        on which one done callback (this) waits. (Also the callback: its argument is that future.)"""
+        sent = self.sent
+        while sent:
+            ack = sent[0][0]
+            if not ack.done():
+                if self.watched is not ack:
+                    self.watched = ack
+                    ack.add_done_callback(self._take_in)
+                return
+            _, row, target, publisher, t0 = sent.popleft()
+            self._acknowledged(row, target, publisher, t0, ack)
 
     def _acknowledged(
         self, row: ClaimedRow, target: str, publisher: PipeliningPublisher, t0: float, ack: asyncio.Future[Any]
