@@ -312,6 +312,46 @@ class RawMariaDB:
         self.conn.close()
 
 
+class DrainWatch:
+    """Whether a drain has rows left, looked up on one connection held for the drain (the bare driver):
+    a poll looks for one row not delivered yet through the status index. (A count of the delivered rows
+    through a new SQLAlchemy engine each poll cost the bench's process ~8 % of a core and the server a
+    walk over every delivered row, 20 times a second, on the cores the drain runs on.)"""
+
+    _LEFT = "SELECT 1 FROM room_outbox WHERE status IN ('pending', 'retryable', 'delivering') LIMIT 1"
+    _DELIVERED = "SELECT COUNT(*) FROM room_outbox WHERE status = 'delivered'"
+
+    def __init__(self, sqlite: sqlite3.Connection | None, mariadb: Any) -> None:
+        self._sqlite, self._mariadb = sqlite, mariadb
+
+    @classmethod
+    async def open(cls, url: str) -> DrainWatch:
+        if url.startswith("sqlite"):
+            return cls(sqlite_connect(url), None)
+        return cls(None, await mariadb_connect(url))
+
+    async def _one(self, sql: str) -> tuple[Any, ...] | None:
+        if self._sqlite is not None:
+            row: tuple[Any, ...] | None = self._sqlite.execute(sql).fetchone()
+            return row
+        async with self._mariadb.cursor() as cur:  # READ COMMITTED: each look sees the latest commits
+            await cur.execute(sql)
+            return await cur.fetchone()  # type: ignore[no-any-return]
+
+    async def rows_left(self) -> bool:
+        return await self._one(self._LEFT) is not None
+
+    async def delivered(self) -> int:
+        row = await self._one(self._DELIVERED)
+        return int(row[0]) if row else 0
+
+    async def close(self) -> None:
+        if self._sqlite is not None:
+            self._sqlite.close()
+        else:
+            self._mariadb.close()
+
+
 async def open_raw(url: str) -> RawSqlite | RawMariaDB:
     return RawSqlite(url) if url.startswith("sqlite") else await RawMariaDB.connect(url)
 

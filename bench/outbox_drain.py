@@ -44,7 +44,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from bench import callgrind
-from bench.bare import claim_finish_cycles, open_raw, owner_name
+from bench.bare import DrainWatch, claim_finish_cycles, open_raw, owner_name
 from bench.common import DIRECT_MODE, fresh_database, percentile
 from roomservice.bootstrap import Process
 from roomservice.cli.collector import settle_after_start
@@ -80,18 +80,6 @@ async def seed(url: str, rows: int) -> None:
         await db.dispose()
 
 
-async def delivered_count(url: str) -> int:
-    db = Database.from_url(url)
-    try:
-        async with db.read() as conn:
-            n = await conn.scalar(
-                sa.select(sa.func.count()).select_from(t.room_outbox).where(t.room_outbox.c.status == "delivered")
-            )
-        return int(n or 0)
-    finally:
-        await db.dispose()
-
-
 def _spawn(args: list[str], prefix: list[str] | None = None) -> subprocess.Popen[str]:
     # this checkout's src first: a second worktree (an A/B) shares the venv, whose editable install points
     # at another checkout's src; with only ROOT on the path its worker processes ran that other code
@@ -113,21 +101,31 @@ async def timed_drain(url: str, rows: int, procs: list[subprocess.Popen[str]]) -
     """Start every process at one instant (SIGUSR1: each has started up and said ready, none has
     claimed yet) and time until every row is delivered. Returns (events/s, the processes' CPU µs per
     row over the drain, which noise on a shared machine disturbs less than the rate)."""
+    watch = await DrainWatch.open(url)
     cpu_before = sum(process_cpu_s(p.pid) for p in procs)
     started = time.perf_counter()
     for proc in procs:
         proc.send_signal(signal.SIGUSR1)
     try:
-        while await delivered_count(url) < rows:
-            await asyncio.sleep(0.05)
+        await drained(watch, rows, 0.05)
         rate = rows / (time.perf_counter() - started)
         cpu = sum(process_cpu_s(p.pid) for p in procs) - cpu_before
         return rate, cpu / rows * 1e6
     finally:
+        await watch.close()
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
+
+
+async def drained(watch: DrainWatch, rows: int, every_s: float) -> None:
+    """Return once no row is left to deliver, having checked that all ``rows`` were delivered."""
+    while await watch.rows_left():
+        await asyncio.sleep(every_s)
+    delivered = await watch.delivered()
+    if delivered != rows:
+        raise RuntimeError(f"the drain ended with {delivered} of {rows} rows delivered")
 
 
 SHAPES = {"direct": [], "mq": ["--pipelined"]}  # the publisher's shape: worker_proc's arguments
@@ -160,13 +158,14 @@ async def counted_drain(backend: str, rows: int, kind: str) -> float:
         with tempfile.TemporaryDirectory(prefix="roombench-callgrind-") as counts:
             proc = _spawn(drain_command(kind, url, 0), prefix=callgrind.callgrind_prefix(Path(counts)))
             counter = callgrind.PhaseCounter(proc.pid, Path(counts))
+            watch = await DrainWatch.open(url)
             try:
                 counter.phase("drain")
                 proc.send_signal(signal.SIGUSR1)
-                while await delivered_count(url) < rows:
-                    await asyncio.sleep(0.2)
+                await drained(watch, rows, 0.2)
                 counter.phase("done")
             finally:
+                await watch.close()
                 proc.terminate()
                 proc.wait(timeout=120)
             return counter.totals()["drain"] / rows
