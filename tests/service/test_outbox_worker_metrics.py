@@ -98,11 +98,11 @@ class HeldAckBroker(PipeliningFakeBroker):
         return ack
 
 
-async def test_an_acknowledgement_whose_callback_comes_after_the_pipeline_ended_is_still_counted(
+async def test_an_acknowledgement_that_comes_in_as_the_pipeline_is_cancelled_is_still_counted(
     database: Database, clock: Clock
 ) -> None:
     """The pipeline counts its successes once, when it ends; an acknowledgement that succeeded as the
-    batch was cancelled, its callback run only after that count, is counted on its own."""
+    batch was cancelled, before the callback waiting on it ran, is taken in and counted as it ends."""
     await insert_rows(database, make_event(JOINED, room="r1"))
     broker = HeldAckBroker()
     before = attempts(BROKER)
@@ -111,7 +111,7 @@ async def test_an_acknowledgement_whose_callback_comes_after_the_pipeline_ended_
         await broker.sent.wait()
     await asyncio.sleep(0)  # the pipeline waits for the acknowledgement now
     batch.cancel()  # the batch's task wakes first (its wait is cancelled)...
-    broker.acks[0].set_result("m-1")  # ...then the acknowledgement's callback: after the pipeline's count
+    broker.acks[0].set_result("m-1")  # ...then the acknowledgement, whose callback would run after the count
     with pytest.raises(asyncio.CancelledError):
         await batch
     await asyncio.sleep(0)
