@@ -608,6 +608,58 @@ async def test_a_rows_targets_are_published_side_by_side_the_first_in_the_batchs
     assert len(im.tasks) == 1 and im.tasks[0] is not batch
 
 
+class TaskRecordingPublisher:
+    """Answers at once, or (``hang``) never; records the task each attempt ran in."""
+
+    def __init__(self, name: str, *, hang: bool = False) -> None:
+        self.name, self.hang = name, hang
+        self.tasks: list[asyncio.Task[object] | None] = []
+
+    async def publish(self, event: e.Event, *, payload: bytes, deadline: float) -> None:
+        self.tasks.append(asyncio.current_task())
+        if self.hang:
+            await asyncio.Event().wait()
+
+
+def recording_worker(database: Database, clock: Clock, im: Any, activity: Any, **options: Any) -> OutboxWorker:
+    return OutboxWorker(
+        repository=SqlOutboxRepository(database),
+        publishers=PublisherSet({"im": im, "activity": activity}),
+        policy=RetryPolicy(initial_backoff_ms=INITIAL, max_backoff_ms=CAP, max_retry_count=3, jitter=0),
+        options=WorkerOptions(mode=PublishMode.DIRECT, batch_size=50, publish_concurrency=4, **options),
+        clock=clock,
+    )
+
+
+async def test_a_rows_targets_that_answer_at_once_are_published_in_the_batchs_task_without_one_of_their_own(
+    database: Database, clock: Clock
+) -> None:
+    """Each of a row's attempts runs in the batch's task up to its first wait: targets that answer at
+    once (in-process ones) cost no task a row."""
+    await insert_rows(database, make_event(JOINED))
+    im, activity = TaskRecordingPublisher("im"), TaskRecordingPublisher("activity")
+    batch = asyncio.create_task(recording_worker(database, clock, im, activity).run_once())
+    assert await asyncio.wait_for(batch, timeout=10) == 1
+    assert await delivered_in_all(database) == 1
+    assert activity.tasks == im.tasks == [batch]
+
+
+async def test_a_target_that_waits_after_one_that_answered_goes_on_in_the_batchs_task_within_its_timeout(
+    database: Database, clock: Clock
+) -> None:
+    """The attempt that waits was run up to its wait in the batch's task, and goes on there: its
+    publish_timeout bounds it there, and the target that answered counts as done."""
+    ev = make_event(JOINED)
+    await insert_rows(database, ev)
+    im, activity = TaskRecordingPublisher("im", hang=True), TaskRecordingPublisher("activity")
+    batch = asyncio.create_task(recording_worker(database, clock, im, activity, publish_timeout_s=0.2).run_once())
+    assert await asyncio.wait_for(batch, timeout=10) == 1
+    r = await row(database, ev.event_id)
+    assert (r.status, r.targets_done, r.retry_count) == ("retryable", "activity", 1)
+    assert r.last_error == "im: timed out after 0.2s"
+    assert activity.tasks == im.tasks == [batch]
+
+
 async def test_a_row_cancelled_while_its_targets_publish_leaves_no_publish_behind(
     database: Database, clock: Clock
 ) -> None:

@@ -705,23 +705,45 @@ class OutboxWorker:
     async def _publish_side_by_side(
         self, needed: tuple[str, ...], publishers: tuple[Publisher | None, ...], row: ClaimedRow, event: Event | None
     ) -> list[tuple[bool, str] | None]:
-        """``row`` to several targets at once, their results in ``needed``'s order: the first in this
-        task, each other in a task of its own started before it. ``asyncio.gather`` made a task of the
-        first as well: to targets that answer at once (direct mode's IM and activity, in process) a
-        task a row more (issue 12: a one-row batch to two such targets, 65-72 -> 50-57 us of CPU).
-        As gather did, it raises when cancelled, whatever the targets' tasks make of their own
-        cancellation, and it ends only once they have."""
+        """``row`` to several targets at once, their results in ``needed``'s order. Each attempt runs in
+        this task up to its first wait, one after the other: targets that answer at once (direct mode's
+        IM sandbox and activity service, in process) cost no task (issue 12: a task and an
+        ``asyncio.wait`` a row were ~2/3 of the worker's CPU for a row to two such targets). Once an
+        attempt waits, it goes on in this task and the targets after it start in tasks of their own
+        beside it (:meth:`_beside`)."""
+        results: list[tuple[bool, str] | None] = []
+        for i, publisher in enumerate(publishers):
+            first = run_to_first_wait(self._publish(needed[i], publisher, row, event))
+            if isinstance(first, Started):  # (its bound, if any, is this task's: it goes on here)
+                results.extend(await self._beside(first, needed[i + 1 :], publishers[i + 1 :], row, event))
+                break
+            results.append(first)
+        return results
+
+    async def _beside(
+        self,
+        waiting: Started[tuple[bool, str] | None],
+        needed: tuple[str, ...],
+        publishers: tuple[Publisher | None, ...],
+        row: ClaimedRow,
+        event: Event | None,
+    ) -> list[tuple[bool, str] | None]:
+        """The rest of an attempt that waits (``waiting``, in this task) and the attempts at ``needed``
+        in a task each, started beside it; their results in that order. As gather did, it raises when
+        cancelled, whatever the targets' tasks make of their own cancellation, and it ends only once
+        they have."""
         loop = asyncio.get_running_loop()
         others = [
             loop.create_task(self._publish(target, publisher, row, event))
-            for target, publisher in zip(needed[1:], publishers[1:], strict=True)
+            for target, publisher in zip(needed, publishers, strict=True)
         ]
         try:
-            results = [await self._publish(needed[0], publishers[0], row, event)]
-            # waited for, not awaited one by one: cancelled meanwhile, this raises whatever the tasks do
-            # (an awaited task that made its cancellation a result would have swallowed this one's)
-            await asyncio.wait(others)
-            results.extend(task.result() for task in others)
+            results = [await waiting]
+            if others:
+                # waited for, not awaited one by one: cancelled meanwhile, this raises whatever the tasks do
+                # (an awaited task that made its cancellation a result would have swallowed this one's)
+                await asyncio.wait(others)
+                results.extend(task.result() for task in others)
         except BaseException:  # (cancelled: _publish returns every failure of a publish as its result)
             for task in others:
                 task.cancel()
