@@ -5,7 +5,9 @@ the worker spends a row above that loop is its own: the route, the publish attem
 decision, the metrics. Here one worker drains ``--rows`` rows claimed from an in-memory repository (a
 claim is a slice of a prepared list, a finish a count) in batches of 200 to an instant publisher of
 each shape the drain uses -- "direct": a publisher taking the decoded Event, row after row per room;
-"mq": the broker target's pipelined sends of the claimed row's own fields. Printed per row:
+"mq": the broker target's pipelined sends of the claimed row's own fields -- and "direct-2": direct mode
+as configured by default, a join's row to its two targets (IM and activity), each a publisher taking the
+decoded Event. Printed per row:
 
   * by default, microseconds of CPU (best of three drains; moves with the machine);
   * with ``--instructions``, instructions counted by callgrind (this script re-runs itself under
@@ -43,15 +45,18 @@ BATCH = 200
 OWNER = "worker-b00000000000"
 LOCK_MS = 30_000
 SHAPES = {"direct": RecordingPublisher, "mq": PipeliningPublisher}  # as bench.outbox_drain's worker processes
+TWO_TARGETS = "direct-2"  # direct mode: a join's row to IM and activity
 _UNDER_CALLGRIND = "ROOMBENCH_WORKER_ROWS_UNDER_CALLGRIND"  # set by the parent for the re-run under valgrind
 
 
-def claimed_rows(count: int) -> list[ClaimedRow]:
-    """``count`` rows as a claim returns them (held by OWNER), over 100 rooms as the drain's seed."""
+def claimed_rows(count: int, *, joins: bool = False) -> list[ClaimedRow]:
+    """``count`` rows as a claim returns them (held by OWNER), over 100 rooms as the drain's seed
+    (``joins``: RoomUserJoined, which direct mode publishes to IM and activity)."""
     now = time.time_ns() // 1_000_000
     rows = []
     for i in range(count):
-        ev = e.Event(uuid.uuid4().hex, "bench", f"r{i % 100}", i + 1, now, e.RoomMicLeft(user_id=f"u{i}", seat=1))
+        payload = e.RoomUserJoined(user_id=f"u{i}", role="member") if joins else e.RoomMicLeft(user_id=f"u{i}", seat=1)
+        ev = e.Event(uuid.uuid4().hex, "bench", f"r{i % 100}", i + 1, now, payload)
         rows.append(ClaimedRow(i + 1, ev.event_id, "bench", ev.room_id, i + 1, ev.type, encode_event(ev), 0,
                                frozenset(), OWNER, now + LOCK_MS, now))
     return rows
@@ -106,11 +111,15 @@ class InMemoryRepository:
 async def drain(shape: str, rows: list[ClaimedRow]) -> None:
     """One worker drains ``rows`` to an instant publisher of ``shape``, as bench.outbox_drain's workers run."""
     repository = InMemoryRepository(rows)
+    if shape == TWO_TARGETS:
+        mode, publishers = PublishMode.DIRECT, {"im": RecordingPublisher(0.0), "activity": RecordingPublisher(0.0)}
+    else:
+        mode, publishers = PublishMode.MQ, {BROKER: SHAPES[shape](0.0)}
     worker = OutboxWorker(
         repository=repository,
-        publishers=PublisherSet({BROKER: SHAPES[shape](0.0)}),
+        publishers=PublisherSet(publishers),
         policy=RetryPolicy(initial_backoff_ms=100, max_backoff_ms=1_000, max_retry_count=10),
-        options=WorkerOptions(mode=PublishMode.MQ, batch_size=BATCH, poll_interval_s=0.05, publish_timeout_s=0.5,
+        options=WorkerOptions(mode=mode, batch_size=BATCH, poll_interval_s=0.05, publish_timeout_s=0.5,
                               lock_timeout_s=LOCK_MS / 1000, publish_concurrency=BATCH),
         clock=lambda: time.time_ns() // 1_000_000,
         owner=OWNER,
@@ -137,11 +146,14 @@ async def instructions_a_row(shape: str, rows: list[ClaimedRow], counter: callgr
 
 
 async def run(rows: int, counter: callgrind.PhaseCounter | None) -> None:
-    prepared = claimed_rows(rows)
-    for shape in SHAPES:
-        await drain(shape, prepared[: 2 * BATCH])  # first drain outside the count: routes and metric children made
-        figure = await (cpu_a_row(shape, prepared) if counter is None else instructions_a_row(shape, prepared, counter))
-        print(f"  {shape:6} {figure}", flush=True)
+    prepared = {shape: claimed_rows(rows) for shape in SHAPES}
+    prepared[TWO_TARGETS] = claimed_rows(rows, joins=True)
+    for shape, shape_rows in prepared.items():
+        await drain(shape, shape_rows[: 2 * BATCH])  # first drain outside the count: routes and metric children made
+        figure = await (
+            cpu_a_row(shape, shape_rows) if counter is None else instructions_a_row(shape, shape_rows, counter)
+        )
+        print(f"  {shape:8} {figure}", flush=True)
 
 
 def main() -> None:
