@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import random
 import time
 import uuid
@@ -710,12 +711,15 @@ class OutboxWorker:
         IM sandbox and activity service, in process) cost no task (issue 12: a task and an
         ``asyncio.wait`` a row were ~2/3 of the worker's CPU for a row to two such targets). Once an
         attempt waits, it goes on in this task and the targets after it start in tasks of their own
-        beside it (:meth:`_beside`)."""
+        beside it (:meth:`_beside`), in the context this began with: an attempt that waits inside a
+        context it entered (its publish span, say) has left it current in this task."""
+        context = contextvars.copy_context()
         results: list[tuple[bool, str] | None] = []
         for i, publisher in enumerate(publishers):
             first = run_to_first_wait(self._publish(needed[i], publisher, row, event))
             if isinstance(first, Started):  # (its bound, if any, is this task's: it goes on here)
-                results.extend(await self._beside(first, needed[i + 1 :], publishers[i + 1 :], row, event))
+                rest = needed[i + 1 :], publishers[i + 1 :]
+                results.extend(await self._beside(first, *rest, row, event, context))
                 break
             results.append(first)
         return results
@@ -727,14 +731,15 @@ class OutboxWorker:
         publishers: tuple[Publisher | None, ...],
         row: ClaimedRow,
         event: Event | None,
+        context: contextvars.Context,
     ) -> list[tuple[bool, str] | None]:
         """The rest of an attempt that waits (``waiting``, in this task) and the attempts at ``needed``
-        in a task each, started beside it; their results in that order. As gather did, it raises when
-        cancelled, whatever the targets' tasks make of their own cancellation, and it ends only once
-        they have."""
+        in a task each, started beside it in a copy of ``context``; their results in that order. As
+        gather did, it raises when cancelled, whatever the targets' tasks make of their own
+        cancellation, and it ends only once they have."""
         loop = asyncio.get_running_loop()
         others = [
-            loop.create_task(self._publish(target, publisher, row, event))
+            loop.create_task(self._publish(target, publisher, row, event), context=context.copy())
             for target, publisher in zip(needed, publishers, strict=True)
         ]
         try:
