@@ -1,16 +1,17 @@
 """Benchmark of the outbox worker (issue: outbox worker).
 
 Prints, for SQLite and MariaDB:
-  * drain rate (events/s) of 1, 2 and 4 worker processes with an instantly-accepting
-    publisher of each of the two shapes the worker delivers to -- "direct": a publisher taking
-    the decoded event, one row after another per room (the IM and activity publishers); "mq":
-    the broker target's pipelined sends of the claimed row's own fields (the embedded broker,
-    NATS) -- beside the bare-driver baseline in the same run: the worker's claim and
+  * drain rate (events/s) of 1, 2 and 4 worker processes with instantly-accepting publishers
+    of each of the shapes the worker delivers to -- "direct": a publisher taking the decoded
+    event, one row after another per room (the IM and activity publishers' shape, one target);
+    "mq": the broker target's pipelined sends of the claimed row's own fields (the embedded
+    broker, NATS); "direct-2": direct mode as it runs, each row (a join) to both IM and activity --
+    beside the bare-driver baseline in the same run: the worker's claim and
     guarded finish statements issued through sqlite3 / asyncmy (bench.bare) by minimal
     loops in the same number of processes; every process starts up first, then all start
     draining at one instant (SIGUSR1), and the time runs from that instant to the last
     delivered row; beside each rate, the processes' CPU per row over the drain; --rounds such
-    rounds (3), alternating, then each shape's median ratio over them;
+    rounds (3), the shapes' order turned each round, then each shape's median ratio over them;
   * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms (--rooms) with poll_interval 1s
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
@@ -69,7 +70,9 @@ async def seed(url: str, rows: int) -> None:
         now = time.time_ns() // 1_000_000
         values = []
         for i in range(rows):
-            ev = e.Event(uuid.uuid4().hex, "bench", f"r{i % 100}", i + 1, now, e.RoomMicLeft(user_id=f"u{i}", seat=1))
+            # a join: direct mode publishes it to IM and activity (the direct-2 shape); mq mode to the broker
+            joined = e.RoomUserJoined(user_id=f"u{i}", role="member")
+            ev = e.Event(uuid.uuid4().hex, "bench", f"r{i % 100}", i + 1, now, joined)
             values.append(dict(event_id=ev.event_id, app_code="bench", room_id=ev.room_id, room_version=i + 1,
                                event_type=ev.type, payload=encode_event(ev), status="pending", retry_count=0,
                                targets_done="", due_at_ms=now, created_at_ms=now, updated_at_ms=now))
@@ -135,7 +138,8 @@ async def drained(watch: DrainWatch, rows: int, every_s: float) -> None:
         raise RuntimeError(f"the drain ended with {delivered} of {rows} rows delivered")
 
 
-SHAPES = {"direct": [], "mq": ["--pipelined"]}  # the publisher's shape: worker_proc's arguments
+# the publisher's shape: worker_proc's arguments ("direct-2": direct mode, each row to IM and activity)
+SHAPES = {"direct": [], "mq": ["--pipelined"], "direct-2": ["--two-targets"]}
 
 
 def drain_command(kind: str, url: str, i: int) -> list[str]:
@@ -180,10 +184,10 @@ async def counted_drain(backend: str, rows: int, kind: str) -> float:
 
 async def instructions(backends: list[str], rows: int) -> None:
     for backend in backends:
-        counted = {kind: await counted_drain(backend, rows, kind) for kind in ("raw", "direct", "mq")}
+        counted = {kind: await counted_drain(backend, rows, kind) for kind in ("raw", *SHAPES)}
         raw = counted["raw"]
         for shape in SHAPES:
-            print(f"[{backend}] one process, {shape:6} publisher: {counted[shape] / 1e3:6.1f}k instructions a row   "
+            print(f"[{backend}] one process, {shape:8} publisher: {counted[shape] / 1e3:6.1f}k instructions a row   "
                   f"bare loop: {raw / 1e3:6.1f}k   bare / worker {raw / counted[shape]:.2f}x"
                   f"{' (the CPU-bound rate ratio, user space only)' if backend == 'sqlite' else ' (the client only)'}",
                   flush=True)
@@ -285,26 +289,28 @@ def allowance(raw_cpu_us: float, target: float = 0.9) -> str:
 
 
 async def drain_rounds(backend: str, workers: int, rows: int, rounds: int) -> None:
-    """``rounds`` rounds of the two shapes and the bare loop, the baseline between them and the shapes'
-    order swapped each round (a drain of 20,000 rows lasts about a second: one pair's ratio moved by
-    +-20 % between runs minutes apart, 0.68-1.09x for the same code); each round's lines, then the
-    median of the rounds' ratios and CPU a row."""
-    seen: dict[str, list[tuple[float, float, float]]] = {"direct": [], "mq": []}  # (ratio, CPU, bare CPU)
+    """``rounds`` rounds of the shapes and the bare loop, the baseline after the first shape and the
+    shapes' order turned by one each round (a drain of 20,000 rows lasts about a second: one pair's
+    ratio moved by +-20 % between runs minutes apart, 0.68-1.09x for the same code); each round's
+    lines, then the median of the rounds' ratios and CPU a row."""
+    seen: dict[str, list[tuple[float, float, float]]] = {shape: [] for shape in SHAPES}  # (ratio, CPU, bare CPU)
+    shapes = list(SHAPES)
     for n in range(rounds):
-        order = ("direct", "mq") if n % 2 == 0 else ("mq", "direct")
-        first = await worker_drain(backend, workers, rows, order[0])
+        order = shapes[n % len(shapes) :] + shapes[: n % len(shapes)]
+        drained = {order[0]: await worker_drain(backend, workers, rows, order[0])}
         raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
-        drained = {order[0]: first, order[1]: await worker_drain(backend, workers, rows, order[1])}
-        for shape in ("direct", "mq"):
+        for shape in order[1:]:
+            drained[shape] = await worker_drain(backend, workers, rows, shape)
+        for shape in shapes:
             worker_rate, worker_cpu = drained[shape]
             seen[shape].append((worker_rate / raw_rate, worker_cpu, raw_cpu))
-            print(f"[{backend}] {workers} worker(s), {shape:6} publisher: {worker_rate:7.0f} events/s   "
+            print(f"[{backend}] {workers} worker(s), {shape:8} publisher: {worker_rate:7.0f} events/s   "
                   f"raw claim+finish: {raw_rate:7.0f} events/s (bare driver)   ratio "
                   f"{worker_rate / raw_rate:.2f}x (target >= 0.90)   "
                   f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row; {allowance(raw_cpu)}", flush=True)
     for shape, got in seen.items():
         ratios = sorted(ratio for ratio, _, _ in got)
-        print(f"[{backend}] {workers} worker(s), {shape:6} over {rounds} round(s): median ratio "
+        print(f"[{backend}] {workers} worker(s), {shape:8} over {rounds} round(s): median ratio "
               f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f}; target >= 0.90)   "
               f"CPU a row, median {statistics.median(cpu for _, cpu, _ in got):.1f} / "
               f"{statistics.median(raw for _, _, raw in got):.1f} us (bare)", flush=True)

@@ -96,20 +96,20 @@ def test_outbox_drain_runs() -> None:
     out = run_bench("bench.outbox_drain", "--backend", "sqlite", "--rows", "300", "--workers", "1",
                     "--rate", "50", "--seconds", "1", "--idle-seconds", "0", "--rounds", "2")
     assert "(bare driver)" in out and "bare claim+finish cycle" in out and "us a row" in out
-    assert out.count(" publisher: ") == 2 * 2  # each round's two shapes...
-    assert out.count("over 2 round(s): median ratio") == 2  # ...then each shape's median
+    assert out.count(" publisher: ") == 2 * 3  # each round's three shapes...
+    assert out.count("over 2 round(s): median ratio") == 3  # ...then each shape's median
     assert "a row may cost" in out  # what 0.9x leaves the worker above the bare loop's CPU a row
 
 
 def test_outbox_drain_counts_each_kind_of_process_under_callgrind() -> None:
     out = run_bench("bench.outbox_drain", "--instructions", "--backend", "sqlite", "--rows", "400", timeout_s=300)
     lines = re.findall(
-        r"^\[sqlite\] one process, (direct|mq) +publisher: +([\d.]+)k instructions a row +bare loop: +([\d.]+)k"
-        r" +bare / worker ([\d.]+)x",
+        r"^\[sqlite\] one process, (direct|mq|direct-2) +publisher: +([\d.]+)k instructions a row"
+        r" +bare loop: +([\d.]+)k +bare / worker ([\d.]+)x",
         out,
         re.MULTILINE,
     )
-    assert {shape for shape, *_ in lines} == {"direct", "mq"}, out
+    assert {shape for shape, *_ in lines} == {"direct", "mq", "direct-2"}, out
     for _, worker, bare, ratio in lines:
         # the worker issues the bare loop's statements and does more besides: a count, the same for the same code
         assert 0 < float(bare) < float(worker)

@@ -4,6 +4,8 @@ Runs the real OutboxWorker (mq mode) against a database with a publisher that
 appends one line per publish to a file: ``event_id owner lock_until_ms published_at_ms``.
 ``--pipelined``: the publisher has the broker target's shape instead (the embedded broker's and
 NATS's: rows sent without waiting for each other's acknowledgement, no decoded event), no log.
+``--two-targets``: direct mode instead, a row to IM and activity (a join's: each publisher takes the
+decoded event; a row of a type that needs IM only goes to IM only).
 
     python -m tests.e2e.worker_proc --url URL --owner NAME --log FILE [--delay-ms N]
     python -m tests.e2e.worker_proc --url URL --owner NAME --pipelined [--delay-ms N]
@@ -105,19 +107,29 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--start-on-sigusr1", action="store_true", help="claim nothing before SIGUSR1")
     parser.add_argument("--pipelined", action="store_true", help="the broker target's pipelining shape (no --log)")
+    parser.add_argument(
+        "--two-targets", action="store_true", help="direct mode: rows to IM and activity (publishers taking the Event)"
+    )
     args = parser.parse_args()
     if args.pipelined and args.log:  # pipelined rows are not delivered through deliver(), which logs
         parser.error("--pipelined takes no --log")
-    publisher = (PipeliningPublisher if args.pipelined else RecordingPublisher)(args.delay_ms / 1000)
+    if args.pipelined and args.two_targets:
+        parser.error("--pipelined and --two-targets are two shapes: pick one")
+    delay_s = args.delay_ms / 1000
+    mode = PublishMode.MQ
+    publishers = {BROKER: (PipeliningPublisher if args.pipelined else RecordingPublisher)(delay_s)}
+    if args.two_targets:  # a join's row needs both (a row of a type routed to IM only needs IM)
+        mode = PublishMode.DIRECT
+        publishers = {"im": RecordingPublisher(delay_s), "activity": RecordingPublisher(delay_s)}
     db = Database.from_url(args.url, pool_size=4, max_overflow=2)
     # without a log, the worker as `room-service worker` runs it (no recording layer per row)
     worker_class = RecordingWorker if args.log else OutboxWorker
     worker = worker_class(
         repository=SqlOutboxRepository(db),
-        publishers=PublisherSet({BROKER: publisher}),
+        publishers=PublisherSet(publishers),
         policy=RetryPolicy(initial_backoff_ms=100, max_backoff_ms=1_000, max_retry_count=10),
         options=WorkerOptions(
-            mode=PublishMode.MQ,
+            mode=mode,
             batch_size=args.batch,
             poll_interval_s=0.05,
             publish_timeout_s=0.5,
