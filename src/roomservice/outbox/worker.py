@@ -990,7 +990,6 @@ class _Pipeline:
         self.outcomes: list[Outcome] = []
         self.deadlines = Deadlines(_give_up)  # the acknowledgements not in yet
         self.acknowledged: dict[str, list[float]] = {}  # by target: latencies of the attempts that succeeded
-        self.counting = True  # until run() counts them
         # the attempts sent and not taken in yet, in send order: (acknowledgement, row, target, publisher, t0)
         self.sent: collections.deque[tuple[asyncio.Future[Any], ClaimedRow, str, PipeliningPublisher, float]]
         self.sent = collections.deque()
@@ -1010,8 +1009,7 @@ class _Pipeline:
         finally:
             for ack in self.deadlines.close():  # cancelled: let go of the acknowledgements still outstanding
                 ack.cancel()
-            self._take_in()  # every one is done now: each ends here, a let-go one as a timeout
-            self.counting = False
+            self._take_in()  # every one is done now: each ends here (a let-go one as a timeout), before the count
             for target, latencies in self.acknowledged.items():  # counted once a batch, not once an attempt
                 _deliveries(target, "ok").inc(len(latencies))
                 observe_many(_publish_seconds(target), latencies)
@@ -1106,7 +1104,7 @@ class _Pipeline:
     ) -> None:
         self.semaphore.give()
         error = TimeoutError() if ack.cancelled() else ack.exception()
-        if error is None and self.counting:  # (almost every row) no classifying, metrics with the batch's (run)
+        if error is None:  # (almost every row) no classifying, metrics with the batch's (run)
             latencies = self.acknowledged.get(target)
             if latencies is None:
                 latencies = self.acknowledged[target] = []
