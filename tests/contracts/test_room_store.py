@@ -25,7 +25,7 @@ from roomservice.domain import commands as c
 from roomservice.domain.decider import decide, replay, stamp
 from roomservice.domain.rules import Gift, RoomRules
 from roomservice.domain.state import RoomState
-from roomservice.store import database as store_database
+from roomservice.store import driver as store_driver
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import current_revision, head_revision, upgrade
@@ -707,13 +707,13 @@ async def test_render_ahead_leaves_a_shared_transaction_nothing_to_render(
 ) -> None:
     """After ``render_ahead`` (serve calls it at start-up) no shape of the guarded UPDATE is rendered
     while commands commit: the first seconds of a server's commands paid ~160 ms of CPU for it."""
-    monkeypatch.setattr(store_database, "_RENDERED", {})  # nothing rendered yet, whatever ran before
+    monkeypatch.setattr(store_driver, "_RENDERED", {})  # nothing rendered yet, whatever ran before
     rooms = [RoomDriver(store, room_id=f"ahead{n}") for n in range(40)]
     for r in rooms:
         await r.create()
-    rendered_before = dict(store_database._RENDERED)  # (the creations' own inserts)
+    rendered_before = dict(store_driver._RENDERED)  # (the creations' own inserts)
     store.render_ahead()
-    assert len(store_database._RENDERED) - len(rendered_before) == 32  # one per room count, 1 to 32
+    assert len(store_driver._RENDERED) - len(rendered_before) == 32  # one per room count, 1 to 32
     compiled: list[str] = []
     compile_ = sa.sql.dml.Update.compile
 

@@ -148,20 +148,79 @@ async def test_a_session_killed_mid_unit_is_unavailable_and_never_pooled_again(d
         await killer.dispose()
 
 
+def _announcements(engine: sa.Engine) -> tuple[list[tuple[Any, ...]], Any]:
+    """What SQLAlchemy's listeners of ``engine`` hear, in order: ("before" | "after", statement,
+    parameters, executemany), ("commit",), ("rollback",); and a function that stops listening."""
+    heard: list[tuple[Any, ...]] = []
+
+    def before(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any, many: bool) -> None:
+        heard.append(("before", statement, params, many))
+
+    def after(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any, many: bool) -> None:
+        heard.append(("after", statement, params, many))
+
+    listeners = [
+        ("before_cursor_execute", before),
+        ("after_cursor_execute", after),
+        ("commit", lambda _conn: heard.append(("commit",))),
+        ("rollback", lambda _conn: heard.append(("rollback",))),
+    ]
+    for name, fn in listeners:
+        sa.event.listen(engine, name, fn)
+
+    def stop() -> None:
+        for name, fn in listeners:
+            sa.event.remove(engine, name, fn)
+
+    return heard, stop
+
+
 async def test_statements_are_announced_to_sqlalchemys_listeners(db: Database) -> None:
-    seen: list[tuple[str, Any, bool]] = []
-
-    def listen(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any, many: bool) -> None:
-        seen.append((statement, params, many))
-
-    sa.event.listen(db.engine.sync_engine, "before_cursor_execute", listen)
+    heard, stop = _announcements(db.engine.sync_engine)
     try:
         await db.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1, 2], "n": 3}))
     finally:
-        sa.event.remove(db.engine.sync_engine, "before_cursor_execute", listen)
-    assert [(s.split(" WHERE")[0], p, m) for s, p, m in seen] == [
-        ("UPDATE driver_rows SET n=%s, tag=%s", (3, "set", 1, 2), False)
+        stop()
+    set_n = "UPDATE driver_rows SET n=%s, tag=%s"
+    assert [(h[0], h[1].split(" WHERE")[0], *h[2:]) if len(h) > 1 else h for h in heard] == [
+        ("before", set_n, (3, "set", 1, 2), False),
+        ("after", set_n, (3, "set", 1, 2), False),  # once it ran: a listener may act on it (cut the link)
+        ("commit",),
     ]
+
+
+async def test_a_failed_statement_is_not_announced_done_and_its_unit_announces_its_rollback(db: Database) -> None:
+    heard, stop = _announcements(db.engine.sync_engine)
+    try:
+        with pytest.raises(IntegrityError):
+            await db.run_driver_write(lambda cur: cur.execute(INSERT, {"id": 2, "n": 1}))  # duplicate key
+    finally:
+        stop()
+    assert [h[0] for h in heard] == ["before", "rollback"]
+
+
+RENDERED_INSERT = sa.insert(_t)
+RENDERED_BUMP = sa.update(_t).where(_t.c.id == sa.bindparam("b_id")).values(n=_t.c.n + sa.bindparam("b_by"))
+
+
+async def test_rendered_statements_insert_rows_and_count_matched_rows(db: Database) -> None:
+    async def unit(cur: DriverCursor) -> tuple[int, int]:
+        await cur.insert_rows(RENDERED_INSERT, [{"id": 7, "n": 1, "tag": "one"}])  # one row: a plain execute
+        await cur.insert_rows(RENDERED_INSERT, [{"id": 8, "n": 2, "tag": "x"}, {"id": 9, "n": 3, "tag": "y"}])
+        return (
+            await cur.execute_rendered(RENDERED_BUMP, {"b_id": 8, "b_by": 10}),
+            await cur.execute_rendered(RENDERED_BUMP, {"b_id": 99, "b_by": 10}),
+        )
+
+    assert await db.run_driver_write(unit) == (1, 0)
+    assert (await rows(db))[3:] == [(7, 1, "one"), (8, 12, "x"), (9, 3, "y")]
+
+    async def duplicate(cur: DriverCursor) -> None:
+        await cur.insert_rows(RENDERED_INSERT, [{"id": 10, "n": 0, "tag": "new"}, {"id": 7, "n": 0, "tag": "dup"}])
+
+    with pytest.raises(IntegrityError):  # SQLAlchemy's, as for every driver statement
+        await db.run_driver_write(duplicate)
+    assert len(await rows(db)) == 6  # neither row of the failed bulk insert stayed
 
 
 async def test_sqlite_units_are_refused(tmp_path: Any) -> None:
@@ -535,18 +594,37 @@ async def test_a_sqlite_drivers_error_is_sqlalchemys_and_rolls_the_unit_back(lit
 
 
 async def test_sqlite_statements_are_announced_to_sqlalchemys_listeners(lite: Database) -> None:
-    seen: list[tuple[str, Any, bool]] = []
-
-    def listen(_conn: Any, _cursor: Any, statement: str, params: Any, _context: Any, many: bool) -> None:
-        seen.append((statement, params, many))
-
     # the units' engine: a listener there sees every unit, inline or not (':memory:': the one engine)
-    engine = lite._sync_engine or lite.engine.sync_engine
-    sa.event.listen(engine, "before_cursor_execute", listen)
+    heard, stop = _announcements(lite._sync_engine or lite.engine.sync_engine)
     try:
         await lite.run_write(lambda conn: SqliteCursor(conn).executemany(BUMP, [{"id": 1}, {"id": 2}]))
     finally:
-        sa.event.remove(engine, "before_cursor_execute", listen)
-    assert [(s, p, m) for s, p, m in seen if s.startswith("UPDATE")] == [
-        ("UPDATE driver_rows SET n=(driver_rows.n + ?) WHERE driver_rows.id = ?", [(1, 1), (1, 2)], True)
+        stop()
+    bump = ("UPDATE driver_rows SET n=(driver_rows.n + ?) WHERE driver_rows.id = ?", [(1, 1), (1, 2)], True)
+    assert [h for h in heard if len(h) == 1 or h[1].startswith("UPDATE")] == [
+        ("before", *bump),
+        ("after", *bump),
+        ("commit",),
     ]
+
+
+async def test_sqlite_rendered_statements_insert_rows_and_count_changed_rows(lite: Database) -> None:
+    def unit(conn: sa.Connection) -> tuple[int, int]:
+        cur = SqliteCursor(conn)
+        cur.insert_rows(RENDERED_INSERT, [{"id": 7, "n": 1, "tag": "one"}])
+        cur.insert_rows(RENDERED_INSERT, [{"id": 8, "n": 2, "tag": "x"}, {"id": 9, "n": 3, "tag": "y"}])
+        return (
+            cur.execute_rendered(RENDERED_BUMP, {"b_id": 8, "b_by": 10}),
+            cur.execute_rendered(RENDERED_BUMP, {"b_id": 99, "b_by": 10}),
+        )
+
+    assert await lite.run_write(unit) == (1, 0)
+    assert (await rows(lite))[3:] == [(7, 1, "one"), (8, 12, "x"), (9, 3, "y")]
+
+    def duplicate(conn: sa.Connection) -> None:
+        rows_ = [{"id": 10, "n": 0, "tag": "new"}, {"id": 7, "n": 0, "tag": "dup"}]
+        SqliteCursor(conn).insert_rows(RENDERED_INSERT, rows_)
+
+    with pytest.raises(IntegrityError):
+        await lite.run_write(duplicate)
+    assert len(await rows(lite)) == 6

@@ -73,7 +73,6 @@ import asyncio
 import contextlib
 import functools
 import math
-import operator
 import sqlite3
 import threading
 import time
@@ -86,7 +85,7 @@ from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, Table, create_engine, event
 from sqlalchemy.dialects import mysql, sqlite
-from sqlalchemy.engine import URL, Connection, Dialect, ExceptionContext, RootTransaction, make_url
+from sqlalchemy.engine import URL, Connection, ExceptionContext, RootTransaction, make_url
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -97,7 +96,7 @@ from sqlalchemy.sql.dml import Insert
 
 from roomservice.futures import Deadlines
 from roomservice.observability.logging import get_logger
-from roomservice.store.driver import DriverCursor
+from roomservice.store.driver import DriverCursor, Rendered, rendered
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
 
 DialectName = Literal["sqlite", "mysql"]
@@ -284,7 +283,7 @@ class Database:
         seconds of commands pays ~160 ms of CPU there instead (issue 12)."""
         dialect = (self._sync_engine or self.engine.sync_engine).dialect
         for statement in statements:
-            _rendered_for(dialect, statement, None)
+            rendered(dialect, statement, None)
 
     # ------------------------------------------------------------------ blocks
 
@@ -1299,35 +1298,9 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.database in (None, "", ":memory:")
 
 
-# Statements run once per mutation, rendered once per dialect (see execute_rendered): the SQL, and
-# what takes a parameter dict to the positional tuple (itemgetter: no generator step per value).
-_Rendered = tuple[str, Callable[[dict[str, Any]], tuple[Any, ...]]]
-_RENDERED: dict[tuple[str, str, int, tuple[str, ...] | None], _Rendered] = {}
-
-
-def _rendered(conn: Connection, statement: Any, column_keys: tuple[str, ...] | None) -> _Rendered:
+def _rendered(conn: Connection, statement: Any, column_keys: tuple[str, ...] | None) -> Rendered:
     """``statement``'s SQL for ``conn``'s dialect and its parameters in their positions."""
-    return _rendered_for(conn.dialect, statement, column_keys)
-
-
-def _rendered_for(dialect: Dialect, statement: Any, column_keys: tuple[str, ...] | None) -> _Rendered:
-    key = (dialect.name, dialect.paramstyle, id(statement), column_keys)
-    rendered = _RENDERED.get(key)
-    if rendered is None:
-        keys = None if column_keys is None else list(column_keys)
-        compiled = statement.compile(dialect=dialect, column_keys=keys)
-        rendered = _RENDERED[key] = (compiled.string, _positional(tuple(compiled.positiontup or ())))
-    return rendered
-
-
-def _positional(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """``lambda params: tuple(params[n] for n in names)``, in C where it can be."""
-    if len(names) > 1:
-        return operator.itemgetter(*names)  # a tuple for two names or more
-    if names:
-        (name,) = names
-        return lambda params: (params[name],)
-    return lambda params: ()
+    return rendered(conn.dialect, statement, column_keys)
 
 
 def execute_rendered(conn: Connection, statement: Any, params: dict[str, Any]) -> Any:

@@ -1,8 +1,8 @@
 """Statements run on the driver's own cursor, for the hottest write units (issue 12).
 
-The outbox worker's claim and finish run three to six statements a cycle on the event loop its
-commands share; SQLAlchemy's execution of a statement (execution context, parameter and result
-processing) costs more CPU than the driver's own work for the small statements of a cycle:
+The outbox worker's claim and finish, and the store's save of a command's rows, run a few small
+statements a unit on the event loop its commands share; SQLAlchemy's execution of a statement
+(execution context, parameter and result processing) costs more CPU than the driver's own work:
 
 * MySQL/MariaDB: :meth:`Database.run_driver_write` runs an ``async`` unit ``fn(cursor, ...)``
   (:class:`DriverCursor`) with the discipline of :meth:`Database.run_write` (deadline, commit,
@@ -17,19 +17,23 @@ processing) costs more CPU than the driver's own work for the small statements o
   transaction (measured on the worker's one-row claim, the whole unit: 296-346 us of CPU through
   SQLAlchemy, 171-197 on the driver's cursor).
 
-Statements are still SQLAlchemy constructs: each is compiled once per dialect (:class:`DriverSql`),
-the values bound in the construct itself taken from that compilation and one expanding ``IN``
-parameter spliced in per call. Only for statements whose parameters and columns need no type
-processing (integers, strings, bytes); rows come back as the driver's tuples.
+Statements are still SQLAlchemy constructs, compiled once per dialect: by :class:`DriverSql` (the
+values bound in the construct itself taken from that compilation, one expanding ``IN`` parameter
+spliced in per call), or by :func:`rendered` (a statement run per command: its parameters put in
+place by an ``itemgetter``; an INSERT's for the columns its rows give). Only for statements whose
+parameters and columns need no type processing (integers, strings, bytes); rows come back as the
+driver's tuples.
 
-SQLAlchemy's ``before_cursor_execute`` event is still announced for each statement (when
-something listens). A driver error leaves as SQLAlchemy's own execution would raise it: the
+SQLAlchemy's ``before_cursor_execute`` and ``after_cursor_execute`` events are still announced for
+each statement, and its ``commit`` and ``rollback`` events for a unit's end (when something listens).
+A driver error leaves as SQLAlchemy's own execution would raise it: the
 :class:`~sqlalchemy.exc.DBAPIError` subclass of its kind, ``connection_invalidated`` (and the
 connection invalidated, never pooled again) when the dialect calls it a disconnect.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -104,6 +108,35 @@ def driver_sql(dialect: Dialect, statement: Any) -> DriverSql:
     return cached[1]
 
 
+# Statements run per command, rendered once per dialect and set of insert columns (see
+# roomservice.store.database.execute_rendered): the SQL, and what takes a parameter dict to the positional
+# tuple (itemgetter: no generator step per value). Each entry keeps its statement, as _COMPILED does.
+Rendered = tuple[str, Callable[[dict[str, Any]], tuple[Any, ...]]]
+_RENDERED: dict[tuple[str, str, int, tuple[str, ...] | None], tuple[Any, Rendered]] = {}
+
+
+def rendered(dialect: Dialect, statement: Any, column_keys: tuple[str, ...] | None) -> Rendered:
+    """``statement``'s SQL for ``dialect`` (an INSERT's for ``column_keys``) and its parameters in their
+    positions. Only for statements whose parameters need no type processing, with every parameter given."""
+    key = (dialect.name, dialect.paramstyle, id(statement), column_keys)
+    cached = _RENDERED.get(key)
+    if cached is None:
+        keys = None if column_keys is None else list(column_keys)
+        compiled = statement.compile(dialect=dialect, column_keys=keys)
+        cached = _RENDERED[key] = (statement, (compiled.string, _positional(tuple(compiled.positiontup or ()))))
+    return cached[1]
+
+
+def _positional(names: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """``lambda params: tuple(params[n] for n in names)``, in C where it can be."""
+    if len(names) > 1:
+        return operator.itemgetter(*names)  # a tuple for two names or more
+    if names:
+        (name,) = names
+        return lambda params: (params[name],)
+    return lambda params: ()
+
+
 class _Statements:
     """What both cursors share: a statement rendered for the driver and announced to SQLAlchemy's
     listeners, and a driver error translated as SQLAlchemy would raise it."""
@@ -114,6 +147,10 @@ class _Statements:
         self._sync = sync
         self._dialect = sync.dialect
         self._cursor = cursor
+
+    @property
+    def dialect(self) -> Dialect:
+        return self._dialect
 
     def _prepared(self, statement: Any, params: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
         text, args = driver_sql(self._dialect, statement).render(params)
@@ -129,11 +166,34 @@ class _Statements:
         self._announce(text, many, True)
         return text, many
 
+    def _rendered(self, statement: Any, params: dict[str, Any]) -> tuple[str, tuple[Any, ...]]:
+        """``statement`` (no expanding ``IN``) as :func:`rendered` has it, for ``params``."""
+        text, positional = rendered(self._dialect, statement, None)
+        args = positional(params)
+        self._announce(text, args, False)
+        return text, args
+
+    def _rendered_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> tuple[str, Any, bool]:
+        """The INSERT of ``rows`` (each with the first one's keys): its text, its arguments, and whether
+        they are several rows' (one bulk call of the driver) or one row's."""
+        text, positional = rendered(self._dialect, insert, tuple(rows[0]))
+        many = len(rows) > 1
+        args = [positional(row) for row in rows] if many else positional(rows[0])
+        self._announce(text, args, many)
+        return text, args, many
+
     def _announce(self, text: str, args: Any, many: bool) -> None:
         """SQLAlchemy's ``before_cursor_execute`` event, for whoever listens (instrumentation, tests)."""
         sync = self._sync
         if sync.dispatch.before_cursor_execute:
             sync.dispatch.before_cursor_execute(sync, self._cursor, text, args, None, many)
+
+    def _announce_done(self, text: str, args: Any, many: bool | None) -> None:
+        """SQLAlchemy's ``after_cursor_execute`` event once a statement ran (``many`` None: a COMMIT or
+        ROLLBACK, which SQLAlchemy announces as ``commit`` and ``rollback`` instead)."""
+        sync = self._sync
+        if many is not None and sync.dispatch.after_cursor_execute:
+            sync.dispatch.after_cursor_execute(sync, self._cursor, text, args, None, many)
 
     def _translated(self, exc: Exception, text: str, args: Any) -> tuple[StatementError | None, bool]:
         """``exc`` as SQLAlchemy would raise it (None when it is not the driver's), and whether the
@@ -163,7 +223,7 @@ class DriverCursor(_Statements):
     async def execute(self, statement: Any, params: dict[str, Any]) -> int:
         """Run ``statement``; the rows it matched (``CLIENT_FOUND_ROWS``) or returned."""
         text, args = self._prepared(statement, params)
-        return int(await self._call(text, args, lambda: self._cursor.execute(text, args)))
+        return int(await self._call(text, args, False, lambda: self._cursor.execute(text, args)))
 
     async def rows(self, statement: Any, params: dict[str, Any]) -> Sequence[tuple[Any, ...]]:
         """Run the query ``statement``; its rows as the driver's tuples."""
@@ -174,27 +234,46 @@ class DriverCursor(_Statements):
             rows: Sequence[tuple[Any, ...]] = await self._cursor.fetchall()
             return rows
 
-        return await self._call(text, args, query)
+        return await self._call(text, args, False, query)
 
     async def executemany(self, statement: Any, params: Sequence[dict[str, Any]]) -> int:
         """Run ``statement`` once per parameter set (one bulk call where the driver can); the rows matched."""
         text, many = self._prepared_many(statement, params)
-        await self._call(text, many, lambda: self._cursor.executemany(text, many))
+        await self._call(text, many, True, lambda: self._cursor.executemany(text, many))
         return int(self._cursor.rowcount)
+
+    async def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int:
+        """:func:`~roomservice.store.database.execute_rendered` on the driver: the rows ``statement``
+        matched."""
+        text, args = self._rendered(statement, params)
+        return int(await self._call(text, args, False, lambda: self._cursor.execute(text, args)))
+
+    async def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None:
+        """:func:`~roomservice.store.database.insert_rendered` on the driver: ``rows`` inserted by one
+        statement, or by one bulk call of the driver for several."""
+        text, args, many = self._rendered_rows(insert, rows)
+        cursor = self._cursor
+        await self._call(text, args, many, (lambda: cursor.executemany(text, args)) if many else
+                         (lambda: cursor.execute(text, args)))
 
     async def end(self, *, commit: bool) -> None:
         """COMMIT (or ROLLBACK) the unit's transaction on the driver: for the unit's runner, never the unit."""
         driver = self._cursor.connection
+        sync = self._sync
         if commit:
-            await self._call("COMMIT", (), driver.commit)
+            if sync.dispatch.commit:  # SQLAlchemy's event, for whoever listens, as its own commit announces it
+                sync.dispatch.commit(sync)
+            await self._call("COMMIT", (), None, driver.commit)
         else:
-            await self._call("ROLLBACK", (), driver.rollback)
+            if sync.dispatch.rollback:
+                sync.dispatch.rollback(sync)
+            await self._call("ROLLBACK", (), None, driver.rollback)
 
-    async def _call(self, text: str, args: Any, call: Callable[[], Awaitable[T]]) -> T:
-        """``await call()``; a driver error raised as SQLAlchemy would raise it, a lost connection
-        invalidated first."""
+    async def _call(self, text: str, args: Any, many: bool | None, call: Callable[[], Awaitable[T]]) -> T:
+        """``await call()``, announced done (:meth:`_announce_done`); a driver error raised as SQLAlchemy
+        would raise it, a lost connection invalidated first."""
         try:
-            return await call()
+            result = await call()
         except Exception as exc:
             seen = exc
             if isinstance(exc, AttributeError):  # asyncmy's way of saying its transport is gone
@@ -207,6 +286,8 @@ class DriverCursor(_Statements):
             if lost:
                 await self._conn.invalidate(seen)
             raise translated from exc
+        self._announce_done(text, args, many)
+        return result
 
 
 def _answered_by_the_server(exc: BaseException) -> bool:
@@ -233,7 +314,7 @@ class SqliteCursor(_Statements):
         """Run ``statement``; the rows it changed."""
         text, args = self._prepared(statement, params)
         cursor = self._cursor
-        self._call(text, args, lambda: cursor.execute(text, args))
+        self._call(text, args, False, lambda: cursor.execute(text, args))
         return int(cursor.rowcount)
 
     def rows(self, statement: Any, params: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -246,19 +327,35 @@ class SqliteCursor(_Statements):
             rows: list[tuple[Any, ...]] = cursor.fetchall()
             return rows
 
-        return self._call(text, args, query)
+        return self._call(text, args, False, query)
 
     def executemany(self, statement: Any, params: Sequence[dict[str, Any]]) -> int:
         """Run ``statement`` once per parameter set; the rows changed, summed."""
         text, many = self._prepared_many(statement, params)
         cursor = self._cursor
-        self._call(text, many, lambda: cursor.executemany(text, many))
+        self._call(text, many, True, lambda: cursor.executemany(text, many))
         return int(cursor.rowcount)
 
-    def _call(self, text: str, args: Any, call: Callable[[], T]) -> T:
-        """``call()``; a driver error raised as SQLAlchemy would raise it, a lost connection invalidated."""
+    def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int:
+        """:func:`~roomservice.store.database.execute_rendered` on the driver: the rows ``statement``
+        changed (matched, for an UPDATE)."""
+        text, args = self._rendered(statement, params)
+        cursor = self._cursor
+        self._call(text, args, False, lambda: cursor.execute(text, args))
+        return int(cursor.rowcount)
+
+    def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None:
+        """:func:`~roomservice.store.database.insert_rendered` on the driver."""
+        text, args, many = self._rendered_rows(insert, rows)
+        cursor = self._cursor
+        self._call(text, args, many, (lambda: cursor.executemany(text, args)) if many else
+                   (lambda: cursor.execute(text, args)))
+
+    def _call(self, text: str, args: Any, many: bool, call: Callable[[], T]) -> T:
+        """``call()``, announced done; a driver error raised as SQLAlchemy would raise it, a lost
+        connection invalidated."""
         try:
-            return call()
+            result = call()
         except Exception as exc:
             translated, lost = self._translated(exc, text, args)
             if translated is None:
@@ -266,3 +363,5 @@ class SqliteCursor(_Statements):
             if lost:
                 self._sync.invalidate(exc)
             raise translated from exc
+        self._announce_done(text, args, many)
+        return result
