@@ -668,6 +668,37 @@ def _count_meta_updates(db: Database) -> list[str]:
     return updates
 
 
+async def test_a_mutations_rows_are_written_on_the_drivers_cursor(database: Database, store: SqlRoomStore) -> None:
+    """Alone or sharing a transaction, a mutation's statements go to the driver's cursor, not through
+    SQLAlchemy's execution of a statement (issue 12: on MariaDB its asyncio bridge was most of a
+    command's CPU when commands come one at a time). SQLAlchemy's listeners still hear each one,
+    with no execution context."""
+    rooms = [RoomDriver(store, room_id=f"drv{n}") for n in range(6)]
+    heard: list[tuple[str, bool]] = []
+    sync_engine = database._sync_engine or database.engine.sync_engine
+
+    def listen(_conn: Any, _cursor: Any, statement: str, _params: Any, context: Any, _many: bool) -> None:
+        if statement.startswith(("INSERT INTO room_", "UPDATE room_meta")):
+            heard.append((statement.split(" (")[0].split(" SET")[0], context is None))
+
+    sa.event.listen(sync_engine, "before_cursor_execute", listen)
+    try:
+        for r in rooms:
+            await r.create()  # one at a time: a transaction each
+        await rooms[0].run(c.JoinRoom(user_id="alone"))
+        results = await asyncio.gather(
+            *(r.run(c.JoinRoom(user_id="together")) for r in rooms), return_exceptions=True
+        )
+    finally:
+        sa.event.remove(sync_engine, "before_cursor_execute", listen)
+    assert not [r for r in results if isinstance(r, BaseException)]
+    kinds = {kind for kind, _ in heard}
+    assert kinds == {"INSERT INTO room_meta", "INSERT INTO room_command_log", "INSERT INTO room_outbox",
+                     "UPDATE room_meta"}
+    assert all(on_driver for _, on_driver in heard), heard
+    assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("drv%")) == 13
+
+
 async def test_concurrent_mutations_of_many_rooms_share_transactions(database: Database, store: SqlRoomStore) -> None:
     rooms = [RoomDriver(store, room_id=f"many{n}") for n in range(40)]
     for r in rooms:

@@ -6,17 +6,21 @@ write transaction shared with the mutations of other rooms that arrived together
 (:mod:`roomservice.store.group_commit`), and ``load_room`` is one statement that reads
 room meta, the newest snapshot and the logged events after it from the same
 consistent read. Statements are built once, at import or construction; rows
-are built before the transaction starts; each operation is one synchronous
-unit handed to :meth:`Database.run_write` / :meth:`Database.run_read` (one
-thread hop on SQLite).
+are built before the transaction starts; each operation is one unit handed to
+:meth:`Database.run_write` / :meth:`Database.run_read` (inline on the loop's thread
+on SQLite). A save's statements go to the driver's cursor (:mod:`roomservice.store.driver`):
+on MySQL/MariaDB an async unit of :meth:`Database.run_driver_write` (unless a mutation
+carries an attached write, which writes through a Connection), on SQLite the sqlite3
+cursor of the unit's transaction; the save itself is written once, as a coroutine
+over :class:`_Writes`, and run to its end at once where nothing waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Awaitable, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Final, Protocol, TypeVar
 
 import orjson
 from sqlalchemy import (
@@ -44,6 +48,7 @@ from sqlalchemy import (
     union_all,
     update,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import BindParameter, TextClause
 
@@ -52,6 +57,7 @@ from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
 from roomservice.store.database import Database, execute_rendered, insert_rendered
+from roomservice.store.driver import SqliteCursor
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
     Answer,
@@ -72,6 +78,7 @@ from roomservice.store.tables import (
 )
 
 OUTBOX_PENDING: Final = "pending"
+T = TypeVar("T")
 
 
 def dump_json(value: Any) -> str:
@@ -367,22 +374,35 @@ class SqlRoomStore:
 
     async def _commit_units(self, units: list[_MutationUnit]) -> list[Failed | None]:
         if len(units) == 1:
-            return [await _outcome_of(self.db.run_write(_save_mutation, *units[0]))]
+            return [await _outcome_of(self._write(units, _save_mutation, *units[0]))]
         try:
             try:
-                return await self.db.run_write(_save_mutations_together, units, guards_together=True)
+                return await self._write(units, _save_mutations_together, units, True)
             except _GuardFailed:
                 # rolled back, nothing of it committed: the batch again with a guarded UPDATE per room,
                 # which tells the stale rooms apart, so that they fail alone and the rest commit
                 self.guards_redone += 1
-                return await self.db.run_write(_save_mutations_together, units, guards_together=False)
+                return await self._write(units, _save_mutations_together, units, False)
         except _RetryAlone:
             # rolled back, nothing of it committed: each mutation again in a transaction of its own,
             # so the one that failed fails alone
             self.retried_alone += 1
             return list(
-                await asyncio.gather(*(_outcome_of(self.db.run_write(_save_mutation, *unit)) for unit in units))
+                await asyncio.gather(*(_outcome_of(self._write([unit], _save_mutation, *unit)) for unit in units))
             )
+
+    async def _write(
+        self, units: list[_MutationUnit], fn: Callable[..., Coroutine[Any, Any, T]], *args: Any
+    ) -> T:
+        """``fn(writes, conn, *args)`` in one write transaction for ``units``. On MySQL/MariaDB its
+        statements go to the driver's cursor (``conn`` None), unless a mutation carries an attached
+        write, which writes through a Connection: SQLAlchemy's asyncio connection, with its checkout,
+        begin, commit and greenlet hop per statement, was most of a command's CPU when commands come
+        one at a time (issue 12: bench.command_path at concurrency 1, 823 us of CPU a join). On SQLite,
+        and for an attached write, a Connection's unit (:func:`_on_connection`)."""
+        if not self.db.is_sqlite and all(unit[0].attached is None for unit in units):
+            return await self.db.run_driver_write(fn, None, *args)
+        return await self.db.run_write(_on_connection, fn, *args)
 
     async def save_snapshot(self, state: RoomState, *, now_ms: int) -> None:
         row = {
@@ -448,8 +468,59 @@ def _take_lease_epoch(conn: Connection, params: dict[str, Any]) -> int:
     return int(conn.scalar(_SELECT_EPOCH, params) or 0)
 
 
-def _save_mutation(
-    conn: Connection,
+class _Writes(Protocol):
+    """Where a save's statements go: the driver's cursor of a MySQL/MariaDB unit
+    (:class:`~roomservice.store.driver.DriverCursor`), or a Connection's unit (:class:`_NoWait`)."""
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    async def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int: ...
+
+    async def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None: ...
+
+
+class _NoWait:
+    """:class:`_Writes` of a Connection's unit, where nothing waits: on SQLite the sqlite3 cursor of
+    its transaction (:class:`~roomservice.store.driver.SqliteCursor`: no SQLAlchemy execution a
+    statement); on MySQL/MariaDB (a mutation with an attached write) the Connection itself."""
+
+    __slots__ = ("_execute", "_insert", "dialect")
+
+    def __init__(self, conn: Connection) -> None:
+        self.dialect = conn.dialect
+        self._execute: Callable[[Any, dict[str, Any]], int]
+        self._insert: Callable[[Any, Sequence[dict[str, Any]]], None]
+        if self.dialect.name == "sqlite":
+            cursor = SqliteCursor(conn)
+            self._execute, self._insert = cursor.execute_rendered, cursor.insert_rows
+        else:
+            self._execute = lambda statement, params: int(execute_rendered(conn, statement, params).rowcount)
+            self._insert = lambda insert, rows: insert_rendered(conn, insert, list(rows))
+
+    async def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int:
+        return self._execute(statement, params)
+
+    async def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None:
+        self._insert(insert, rows)
+
+
+def _on_connection(conn: Connection, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    """``fn(writes, conn, *args)`` as a Connection's unit: the save's coroutine, whose writes there
+    never wait (:class:`_NoWait`), run to its end at once."""
+    save = fn(_NoWait(conn), conn, *args)
+    try:
+        save.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    save.close()
+    raise RuntimeError(f"{fn.__name__} waited on a Connection's unit")
+
+
+async def _save_mutation(
+    writes: _Writes,
+    conn: Connection | None,
     m: Mutation,
     meta_guard: dict[str, Any] | None,
     meta_values: dict[str, Any],
@@ -457,27 +528,36 @@ def _save_mutation(
     outbox: list[dict[str, Any]],
 ) -> None:
     if m.attached is not None:  # first: row locks in the global order (attached rows, then rooms)
-        m.attached.write(conn, shared=False)
-    _write_meta(conn, m, meta_guard, meta_values)
+        m.attached.write(_attached_to(conn), shared=False)
+    await _write_meta(writes, m, meta_guard, meta_values)
     try:
-        insert_rendered(conn, _INSERT_COMMAND, [command])
+        await writes.insert_rows(_INSERT_COMMAND, [command])
     except IntegrityError as exc:
         raise CommandIdTaken(f"command_id {m.command_id!r} is already logged in {m.app_code}/{m.room_id}") from exc
     if outbox:
         # A failure here (a duplicate event_id) is a bug, not a race: let it surface.
-        insert_rendered(conn, _INSERT_OUTBOX, outbox)
+        await writes.insert_rows(_INSERT_OUTBOX, outbox)
 
 
-def _write_meta(conn: Connection, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]) -> None:
+def _attached_to(conn: Connection | None) -> Connection:
+    """The Connection an attached write writes through (a unit with one never runs on the driver)."""
+    if conn is None:
+        raise TypeError("an attached write needs a Connection's unit")
+    return conn
+
+
+async def _write_meta(
+    writes: _Writes, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]
+) -> None:
     """The room_meta row of ``m``: inserted for CreateRoom, else updated under the version and epoch guard."""
     if meta_guard is None:
         try:
-            conn.execute(_INSERT_META, meta_values)
+            await writes.insert_rows(_INSERT_META, [meta_values])
         except IntegrityError as exc:
             raise StoreConflict(f"room {m.app_code}/{m.room_id} already exists") from exc
         return
     guarded = _UPDATE_META if m.events else _TOUCH_META
-    if execute_rendered(conn, guarded, {**meta_guard, **meta_values}).rowcount != 1:
+    if await writes.execute_rendered(guarded, {**meta_guard, **meta_values}) != 1:
         raise StoreConflict(
             f"room {m.app_code}/{m.room_id} is no longer at version {m.expected_version} with lease epoch {m.epoch}"
         )
@@ -510,8 +590,8 @@ class _GuardFailed(Exception):
     say): the transaction is rolled back and the batch redone with a guarded UPDATE per room."""
 
 
-def _save_mutations_together(
-    conn: Connection, units: list[_MutationUnit], *, guards_together: bool
+async def _save_mutations_together(
+    writes: _Writes, conn: Connection | None, units: list[_MutationUnit], guards_together: bool
 ) -> list[Failed | None]:
     """The shared transaction, without a SAVEPOINT per mutation: the attached writes (gift
     debits), the meta writes, then every command log row in one INSERT and every outbox row
@@ -542,7 +622,7 @@ def _save_mutations_together(
     try:
         for write, i in attached:
             try:
-                write.write(conn, shared=True)
+                write.write(_attached_to(conn), shared=True)
             except NeedsOwnTransaction as exc:
                 raise _RetryAlone("an attached write needs a transaction of its own") from exc
             except errors.RoomServiceError as failure:  # it wrote nothing: its mutation fails alone
@@ -550,14 +630,14 @@ def _save_mutations_together(
         together = [i for i in order if outcomes[i] is None and units[i][1] is not None and units[i][0].events]
         if not guards_together or len(together) < 2:
             together = []
-        _update_guarded_together(conn, [units[i] for i in together])
+        await _update_guarded_together(writes, [units[i] for i in together])
         alone = set(together)
         for i in order:
             if outcomes[i] is not None or i in alone:
                 continue
             m, meta_guard, meta_values, _, _ = units[i]
             try:
-                _write_meta(conn, m, meta_guard, meta_values)
+                await _write_meta(writes, m, meta_guard, meta_values)
             except StoreConflict as conflict:
                 if m.attached is not None:  # its attached write stands in this transaction: undo it all
                     raise _RetryAlone("a room's guard failed after its attached write") from conflict
@@ -565,9 +645,9 @@ def _save_mutations_together(
         commands = [units[i][3] for i in order if outcomes[i] is None]
         outbox = [row for i in order if outcomes[i] is None for row in units[i][4]]
         if commands:
-            insert_rendered(conn, _INSERT_COMMAND, commands)
+            await writes.insert_rows(_INSERT_COMMAND, commands)
         if outbox:
-            insert_rendered(conn, _INSERT_OUTBOX, outbox)
+            await writes.insert_rows(_INSERT_OUTBOX, outbox)
     except IntegrityError as exc:
         raise _RetryAlone("a row of the shared INSERT clashed") from exc
     except OperationalError as exc:
@@ -577,7 +657,7 @@ def _save_mutations_together(
     return outcomes
 
 
-def _update_guarded_together(conn: Connection, units: list[_MutationUnit]) -> None:
+async def _update_guarded_together(writes: _Writes, units: list[_MutationUnit]) -> None:
     """The guarded meta updates of ``units`` (all with events), ``_MAX_ROOMS_AN_UPDATE`` rooms a
     statement; :class:`_GuardFailed` unless every guard matched its row."""
     for start in range(0, len(units), _MAX_ROOMS_AN_UPDATE):
@@ -589,8 +669,8 @@ def _update_guarded_together(conn: Connection, units: list[_MutationUnit]) -> No
                 params[f"{key}{i}"] = value
             for key, value in meta_values.items():
                 params[f"{key}{i}"] = value
-        statement = _guarded_updates(len(chunk), sqlite=conn.dialect.name == "sqlite")
-        if execute_rendered(conn, statement, params).rowcount != len(chunk):
+        statement = _guarded_updates(len(chunk), sqlite=writes.dialect.name == "sqlite")
+        if await writes.execute_rendered(statement, params) != len(chunk):
             raise _GuardFailed(f"{len(chunk)} guarded rooms, not all of them at their version and lease epoch")
 
 
