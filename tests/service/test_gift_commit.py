@@ -163,6 +163,39 @@ async def test_in_a_shared_transaction_a_refused_debit_fails_alone(rt: Process) 
     assert await gifts_logged(rt) == 2 * len(rooms)  # the warm-ups, "drain" and the five good ones
 
 
+async def test_a_gifts_debit_and_rows_are_written_on_the_drivers_cursor(rt: Process) -> None:
+    """Alone, in a shared transaction and on the debit's own path, a gift's statements (the debit's
+    and the command's rows) go to the driver's cursor with the rest of its transaction: a batch
+    holding a gift stays off SQLAlchemy's execution a statement (issue 12). Its listeners still
+    hear each one, with no execution context."""
+    rooms = [f"d{n}" for n in range(4)]
+    for room in rooms:
+        await open_room(rt, room, f"u{room}")
+    heard: list[tuple[str, bool]] = []
+    sync_engine = rt.db._sync_engine or rt.db.engine.sync_engine
+
+    def listen(_conn: Any, _cursor: Any, statement: str, _params: Any, context: Any, _many: bool) -> None:
+        if statement.startswith(("INSERT", "UPDATE")) and ("wallet_" in statement or "room_" in statement):
+            heard.append((statement[:40], context is None))
+
+    sa.event.listen(sync_engine, "before_cursor_execute", listen)
+    try:
+        await run(rt, rooms[0], "alone", rose(f"u{rooms[0]}"))
+        results = await asyncio.gather(
+            *(run(rt, room, "shared", rose(f"u{room}")) for room in rooms),
+            *(run(rt, room, "join", c.JoinRoom(user_id="x")) for room in rooms),
+            return_exceptions=True,
+        )
+        await rt.wallet.debit(key="own", app_code=APP, user_id=f"u{rooms[1]}", amount=1)  # the port's own path
+    finally:
+        sa.event.remove(sync_engine, "before_cursor_execute", listen)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert any("wallet_account" in s for s, _ in heard) and any("wallet_debit" in s for s, _ in heard)
+    assert all(on_driver for _, on_driver in heard), [s for s, on_driver in heard if not on_driver]
+    assert await rt.wallet.balance(APP, f"u{rooms[0]}") == START - 2 * ROSE
+    assert await rt.wallet.balance(APP, f"u{rooms[1]}") == START - ROSE - 1
+
+
 async def test_a_fenced_gift_in_a_shared_transaction_debits_nothing(rt: Process) -> None:
     rooms = [f"f{n}" for n in range(4)]
     for room in rooms:

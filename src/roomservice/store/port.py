@@ -7,7 +7,7 @@ separate fake because an on-disk SQLite store is fast enough.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,7 +18,7 @@ from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
 
 if TYPE_CHECKING:
-    from sqlalchemy import Connection
+    from sqlalchemy.engine import Dialect
 
 
 class StoreConflict(errors.Retry):
@@ -58,6 +58,27 @@ class NeedsOwnTransaction(Exception):
     behind: that transaction is rolled back and each of its mutations is retried in its own."""
 
 
+class Writes(Protocol):
+    """Where a write unit's statements go (:mod:`roomservice.store.writes`): the driver's cursor of
+    a MySQL/MariaDB unit, or a SQLite unit's. Statements are built once (module constants) and need
+    no type processing; the methods are awaited, and on SQLite never wait."""
+
+    @property
+    def dialect(self) -> Dialect: ...
+
+    async def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int:
+        """Run ``statement`` (no expanding ``IN``) with every parameter given; the rows it matched."""
+        ...
+
+    async def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert ``rows`` (each with the first one's keys) by ``insert``."""
+        ...
+
+    async def rows(self, statement: Any, params: dict[str, Any]) -> Sequence[tuple[Any, ...]]:
+        """The rows of the query ``statement``, as the driver's tuples."""
+        ...
+
+
 class AttachedWrite(Protocol):
     """A write of another module that commits with a mutation or not at all: the embedded
     wallet's debit of a gift, in the command's own transaction, so that no debit exists
@@ -71,11 +92,12 @@ class AttachedWrite(Protocol):
     @property
     def lock_order(self) -> tuple[str, ...]: ...
 
-    def write(self, conn: Connection, *, shared: bool) -> None:
-        """Write it. ``shared``: other mutations are in the transaction too; then raise
-        either a :class:`~roomservice.errors.RoomServiceError` having written nothing (the
-        mutation fails alone with it, the others commit) or :class:`NeedsOwnTransaction`.
-        Alone, whatever it raises rolls back the whole mutation and fails it."""
+    async def write(self, writes: Writes, *, shared: bool) -> None:
+        """Write it through ``writes`` (the mutation's transaction). ``shared``: other mutations are
+        in the transaction too; then raise either a :class:`~roomservice.errors.RoomServiceError`
+        having written nothing (the mutation fails alone with it, the others commit) or
+        :class:`NeedsOwnTransaction`. Alone, whatever it raises rolls back the whole mutation and
+        fails it."""
         ...
 
     def committed(self) -> None:

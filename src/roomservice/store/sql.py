@@ -8,11 +8,9 @@ room meta, the newest snapshot and the logged events after it from the same
 consistent read. Statements are built once, at import or construction; rows
 are built before the transaction starts; each operation is one unit handed to
 :meth:`Database.run_write` / :meth:`Database.run_read` (inline on the loop's thread
-on SQLite). A save's statements go to the driver's cursor (:mod:`roomservice.store.driver`):
-on MySQL/MariaDB an async unit of :meth:`Database.run_driver_write` (unless a mutation
-carries an attached write, which writes through a Connection), on SQLite the sqlite3
-cursor of the unit's transaction; the save itself is written once, as a coroutine
-over :class:`_Writes`, and run to its end at once where nothing waits.
+on SQLite). A save is written once, as a coroutine over
+:class:`~roomservice.store.port.Writes`, its statements (and its attached write's) on
+the driver's cursor (:mod:`roomservice.store.writes`).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 import orjson
 from sqlalchemy import (
@@ -48,7 +46,6 @@ from sqlalchemy import (
     union_all,
     update,
 )
-from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.sql.elements import BindParameter, TextClause
 
@@ -56,8 +53,7 @@ from roomservice import errors, wire
 from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import RoomState
-from roomservice.store.database import Database, execute_rendered, insert_rendered
-from roomservice.store.driver import SqliteCursor
+from roomservice.store.database import Database
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
     Answer,
@@ -69,6 +65,7 @@ from roomservice.store.port import (
     RoomSummary,
     StoreConflict,
     StoreInconsistent,
+    Writes,
 )
 from roomservice.store.tables import (
     room_command_log,
@@ -76,6 +73,7 @@ from roomservice.store.tables import (
     room_outbox,
     room_snapshot,
 )
+from roomservice.store.writes import run_writes
 
 OUTBOX_PENDING: Final = "pending"
 T = TypeVar("T")
@@ -374,35 +372,29 @@ class SqlRoomStore:
 
     async def _commit_units(self, units: list[_MutationUnit]) -> list[Failed | None]:
         if len(units) == 1:
-            return [await _outcome_of(self._write(units, _save_mutation, *units[0]))]
+            return [await _outcome_of(self._write(_save_mutation, *units[0]))]
         try:
             try:
-                return await self._write(units, _save_mutations_together, units, True)
+                return await self._write(_save_mutations_together, units, True)
             except _GuardFailed:
                 # rolled back, nothing of it committed: the batch again with a guarded UPDATE per room,
                 # which tells the stale rooms apart, so that they fail alone and the rest commit
                 self.guards_redone += 1
-                return await self._write(units, _save_mutations_together, units, False)
+                return await self._write(_save_mutations_together, units, False)
         except _RetryAlone:
             # rolled back, nothing of it committed: each mutation again in a transaction of its own,
             # so the one that failed fails alone
             self.retried_alone += 1
             return list(
-                await asyncio.gather(*(_outcome_of(self._write([unit], _save_mutation, *unit)) for unit in units))
+                await asyncio.gather(*(_outcome_of(self._write(_save_mutation, *unit)) for unit in units))
             )
 
-    async def _write(
-        self, units: list[_MutationUnit], fn: Callable[..., Coroutine[Any, Any, T]], *args: Any
-    ) -> T:
-        """``fn(writes, conn, *args)`` in one write transaction for ``units``. On MySQL/MariaDB its
-        statements go to the driver's cursor (``conn`` None), unless a mutation carries an attached
-        write, which writes through a Connection: SQLAlchemy's asyncio connection, with its checkout,
-        begin, commit and greenlet hop per statement, was most of a command's CPU when commands come
-        one at a time (issue 12: bench.command_path at concurrency 1, 823 us of CPU a join). On SQLite,
-        and for an attached write, a Connection's unit (:func:`_on_connection`)."""
-        if not self.db.is_sqlite and all(unit[0].attached is None for unit in units):
-            return await self.db.run_driver_write(fn, None, *args)
-        return await self.db.run_write(_on_connection, fn, *args)
+    async def _write(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """``fn(writes, *args)`` in one write transaction, its statements on the driver's cursor
+        (:mod:`roomservice.store.writes`): on MySQL/MariaDB, SQLAlchemy's asyncio connection, with its
+        checkout, BEGIN, COMMIT and greenlet hop a statement, was most of a command's CPU when commands
+        come one at a time (issue 12: bench.command_path at concurrency 1, 823 us of CPU a join)."""
+        return await run_writes(self.db, fn, *args)
 
     async def save_snapshot(self, state: RoomState, *, now_ms: int) -> None:
         row = {
@@ -468,59 +460,8 @@ def _take_lease_epoch(conn: Connection, params: dict[str, Any]) -> int:
     return int(conn.scalar(_SELECT_EPOCH, params) or 0)
 
 
-class _Writes(Protocol):
-    """Where a save's statements go: the driver's cursor of a MySQL/MariaDB unit
-    (:class:`~roomservice.store.driver.DriverCursor`), or a Connection's unit (:class:`_NoWait`)."""
-
-    @property
-    def dialect(self) -> Dialect: ...
-
-    async def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int: ...
-
-    async def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None: ...
-
-
-class _NoWait:
-    """:class:`_Writes` of a Connection's unit, where nothing waits: on SQLite the sqlite3 cursor of
-    its transaction (:class:`~roomservice.store.driver.SqliteCursor`: no SQLAlchemy execution a
-    statement); on MySQL/MariaDB (a mutation with an attached write) the Connection itself."""
-
-    __slots__ = ("_execute", "_insert", "dialect")
-
-    def __init__(self, conn: Connection) -> None:
-        self.dialect = conn.dialect
-        self._execute: Callable[[Any, dict[str, Any]], int]
-        self._insert: Callable[[Any, Sequence[dict[str, Any]]], None]
-        if self.dialect.name == "sqlite":
-            cursor = SqliteCursor(conn)
-            self._execute, self._insert = cursor.execute_rendered, cursor.insert_rows
-        else:
-            self._execute = lambda statement, params: int(execute_rendered(conn, statement, params).rowcount)
-            self._insert = lambda insert, rows: insert_rendered(conn, insert, list(rows))
-
-    async def execute_rendered(self, statement: Any, params: dict[str, Any]) -> int:
-        return self._execute(statement, params)
-
-    async def insert_rows(self, insert: Any, rows: Sequence[dict[str, Any]]) -> None:
-        self._insert(insert, rows)
-
-
-def _on_connection(conn: Connection, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-    """``fn(writes, conn, *args)`` as a Connection's unit: the save's coroutine, whose writes there
-    never wait (:class:`_NoWait`), run to its end at once."""
-    save = fn(_NoWait(conn), conn, *args)
-    try:
-        save.send(None)
-    except StopIteration as done:
-        result: T = done.value
-        return result
-    save.close()
-    raise RuntimeError(f"{fn.__name__} waited on a Connection's unit")
-
-
 async def _save_mutation(
-    writes: _Writes,
-    conn: Connection | None,
+    writes: Writes,
     m: Mutation,
     meta_guard: dict[str, Any] | None,
     meta_values: dict[str, Any],
@@ -528,7 +469,7 @@ async def _save_mutation(
     outbox: list[dict[str, Any]],
 ) -> None:
     if m.attached is not None:  # first: row locks in the global order (attached rows, then rooms)
-        m.attached.write(_attached_to(conn), shared=False)
+        await m.attached.write(writes, shared=False)
     await _write_meta(writes, m, meta_guard, meta_values)
     try:
         await writes.insert_rows(_INSERT_COMMAND, [command])
@@ -539,15 +480,8 @@ async def _save_mutation(
         await writes.insert_rows(_INSERT_OUTBOX, outbox)
 
 
-def _attached_to(conn: Connection | None) -> Connection:
-    """The Connection an attached write writes through (a unit with one never runs on the driver)."""
-    if conn is None:
-        raise TypeError("an attached write needs a Connection's unit")
-    return conn
-
-
 async def _write_meta(
-    writes: _Writes, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]
+    writes: Writes, m: Mutation, meta_guard: dict[str, Any] | None, meta_values: dict[str, Any]
 ) -> None:
     """The room_meta row of ``m``: inserted for CreateRoom, else updated under the version and epoch guard."""
     if meta_guard is None:
@@ -591,7 +525,7 @@ class _GuardFailed(Exception):
 
 
 async def _save_mutations_together(
-    writes: _Writes, conn: Connection | None, units: list[_MutationUnit], guards_together: bool
+    writes: Writes, units: list[_MutationUnit], guards_together: bool
 ) -> list[Failed | None]:
     """The shared transaction, without a SAVEPOINT per mutation: the attached writes (gift
     debits), the meta writes, then every command log row in one INSERT and every outbox row
@@ -622,7 +556,7 @@ async def _save_mutations_together(
     try:
         for write, i in attached:
             try:
-                write.write(_attached_to(conn), shared=True)
+                await write.write(writes, shared=True)
             except NeedsOwnTransaction as exc:
                 raise _RetryAlone("an attached write needs a transaction of its own") from exc
             except errors.RoomServiceError as failure:  # it wrote nothing: its mutation fails alone
@@ -657,7 +591,7 @@ async def _save_mutations_together(
     return outcomes
 
 
-async def _update_guarded_together(writes: _Writes, units: list[_MutationUnit]) -> None:
+async def _update_guarded_together(writes: Writes, units: list[_MutationUnit]) -> None:
     """The guarded meta updates of ``units`` (all with events), ``_MAX_ROOMS_AN_UPDATE`` rooms a
     statement; :class:`_GuardFailed` unless every guard matched its row."""
     for start in range(0, len(units), _MAX_ROOMS_AN_UPDATE):

@@ -4,8 +4,7 @@ A debit claims its key (insert-or-ignore) and makes a guarded ``balance >= amoun
 update; an insufficient balance rolls both back. Two ways to run it:
 
 * :meth:`EmbeddedWallet.debit` (the :class:`~roomservice.wallet.port.Wallet` port):
-  one write transaction of its own, one ``run_write`` unit (one hop to the
-  database thread on SQLite).
+  one write transaction of its own.
 * :meth:`EmbeddedWallet.debit_in_commit`: the debit as an
   :class:`~roomservice.store.port.AttachedWrite` of the gift's own SaveMutation
   transaction (which other rooms' mutations may share): the debit commits with its
@@ -13,7 +12,9 @@ update; an insufficient balance rolls both back. Two ways to run it:
   journaled for reconciliation (docs/benchmarks.md, "Gift path").
 
 Statements are built once, at import: a statement built per call was most of a
-debit's CPU (SQLAlchemy's cache key of a new statement, py-spy, issue 12).
+debit's CPU (SQLAlchemy's cache key of a new statement, py-spy, issue 12). A debit's
+statements go to the driver's cursor (:mod:`roomservice.store.writes`), as the rest
+of its command's transaction.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from sqlalchemy import Connection
 from sqlalchemy.dialects import mysql
 
 from roomservice.store import tables as t
-from roomservice.store.database import Database, execute_rendered, insert_or_ignore
-from roomservice.store.port import NeedsOwnTransaction
+from roomservice.store.database import Database, insert_or_ignore
+from roomservice.store.port import NeedsOwnTransaction, Writes
+from roomservice.store.writes import run_writes
 from roomservice.wallet.port import (
     DEBITED,
     REFUNDED,
@@ -59,7 +61,9 @@ _CREDIT: Final = (
     .values(balance=_account.c.balance + sa.bindparam("b_amount"), updated_at_ms=sa.bindparam("b_now"))
 )
 _BALANCE: Final = sa.select(_account.c.balance).where(_IS_ACCOUNT)
-_GET: Final = sa.select(_debits).where(_debits.c.debit_key == sa.bindparam("b_key"))
+_GET: Final = sa.select(
+    _debits.c.debit_key, _debits.c.app_code, _debits.c.user_id, _debits.c.amount, _debits.c.status
+).where(_debits.c.debit_key == sa.bindparam("b_key"))
 _SET_STATUS: Final = (
     sa.update(_debits)
     .where(_debits.c.debit_key == sa.bindparam("b_key"), _debits.c.status == sa.bindparam("b_from"))
@@ -75,7 +79,7 @@ class EmbeddedWallet:
         self._known_accounts: set[tuple[str, str]] = set()  # rows known to exist; accounts are never deleted
 
     async def debit(self, *, key: str, app_code: str, user_id: str, amount: int) -> Debit:
-        debit = await self._db.run_write(_debit, self._request(key, app_code, user_id, amount))
+        debit = await run_writes(self._db, _debit, self._request(key, app_code, user_id, amount))
         self._known_accounts.add((app_code, user_id))
         return debit
 
@@ -111,27 +115,27 @@ class _Request:
     def account(self) -> dict[str, Any]:
         return {"b_app": self.app_code, "b_user": self.user_id, "b_amount": self.amount, "b_now": self.now}
 
-    def open_account(self, conn: Connection) -> bool:
+    async def open_account(self, writes: Writes) -> bool:
         """Create the account if this request says so and it does not exist; False if it
         certainly existed (on MySQL/MariaDB that cannot be told: True whenever it asked)."""
         if self.new_account is None:
             return False
         row = {"app_code": self.app_code, "user_id": self.user_id, "balance": self.new_account,
                "updated_at_ms": self.now}
-        if conn.dialect.name == "sqlite":
-            return bool(execute_rendered(conn, _OPEN_ACCOUNT, row).rowcount == 1)
-        execute_rendered(conn, _OPEN_ACCOUNT_MYSQL, row)
+        if writes.dialect.name == "sqlite":
+            return await writes.execute_rendered(_OPEN_ACCOUNT, row) == 1
+        await writes.execute_rendered(_OPEN_ACCOUNT_MYSQL, row)
         return True
 
-    def claim_key(self, conn: Connection) -> bool:
+    async def claim_key(self, writes: Writes) -> bool:
         """Insert the debit row; False if the key exists already."""
         row = {"debit_key": self.key, "app_code": self.app_code, "user_id": self.user_id, "amount": self.amount,
                "status": DEBITED, "created_at_ms": self.now, "updated_at_ms": self.now}
-        return bool(execute_rendered(conn, _CLAIM_KEY, row).rowcount == 1)
+        return await writes.execute_rendered(_CLAIM_KEY, row) == 1
 
-    def charge(self, conn: Connection) -> bool:
+    async def charge(self, writes: Writes) -> bool:
         """The guarded balance update; False (nothing written) if the balance does not cover it."""
-        return bool(execute_rendered(conn, _CHARGE, self.account()).rowcount == 1)
+        return await writes.execute_rendered(_CHARGE, self.account()) == 1
 
     def insufficient(self) -> InsufficientFunds:
         return InsufficientFunds(f"balance of {self.user_id} does not cover {self.amount}")
@@ -148,39 +152,41 @@ class CommitDebit:
     def lock_order(self) -> tuple[str, ...]:
         return (self.request.app_code, self.request.user_id)
 
-    def write(self, conn: Connection, *, shared: bool) -> None:
+    async def write(self, writes: Writes, *, shared: bool) -> None:
         request = self.request
         if not shared:
-            _debit(conn, request)
+            await _debit(writes, request)
             return
         # In a transaction shared with other rooms' commands: the common case only, and a
         # failure that leaves nothing written; anything else is decided in a transaction of its own.
-        opened = request.open_account(conn)
-        if not request.charge(conn):
+        opened = await request.open_account(writes)
+        if not await request.charge(writes):
             if opened:  # the account row it may have created would stay
                 raise NeedsOwnTransaction("a refused debit of an account that may be new")
             raise request.insufficient()
-        if not request.claim_key(conn):  # charged already, refunded, or another amount: see _debit
+        if not await request.claim_key(writes):  # charged already, refunded, or another amount: see _debit
             raise NeedsOwnTransaction(f"debit key {request.key!r} exists")
 
     def committed(self) -> None:
         self.known_accounts.add((self.request.app_code, self.request.user_id))
 
 
-def _debit(conn: Connection, request: _Request) -> Debit:
+async def _debit(writes: Writes, request: _Request) -> Debit:
     """The debit in a transaction of its own (raising rolls all of it back)."""
-    request.open_account(conn)
-    if not request.claim_key(conn):
-        existing = _get(conn, request.key)
-        assert existing is not None
+    await request.open_account(writes)
+    if not await request.claim_key(writes):
+        found = await writes.rows(_GET, {"b_key": request.key})
+        assert found
+        existing = _debit_of(found[0])
         asked = (request.app_code, request.user_id, request.amount)
         if (existing.app_code, existing.user_id, existing.amount) != asked:
             raise DebitKeyConflict(request.key)
         if existing.status == DEBITED:
             return existing
         # refunded by reconciliation, now retried: charge it again (net once)
-        conn.execute(_SET_STATUS, {"b_key": request.key, "b_from": REFUNDED, "b_to": DEBITED, "b_now": request.now})
-    if not request.charge(conn):  # raising rolls the key claim back too
+        flip = {"b_key": request.key, "b_from": REFUNDED, "b_to": DEBITED, "b_now": request.now}
+        await writes.execute_rendered(_SET_STATUS, flip)
+    if not await request.charge(writes):  # raising rolls the key claim back too
         raise request.insufficient()
     return Debit(request.key, request.app_code, request.user_id, request.amount, DEBITED)
 
@@ -203,6 +209,10 @@ def _balance(conn: Connection, app_code: str, user_id: str) -> int | None:
 
 def _get(conn: Connection, key: str) -> Debit | None:
     row = conn.execute(_GET, {"b_key": key}).one_or_none()
-    if row is None:
-        return None
-    return Debit(row.debit_key, row.app_code, row.user_id, int(row.amount), row.status)
+    return None if row is None else _debit_of(tuple(row))
+
+
+def _debit_of(row: tuple[Any, ...]) -> Debit:
+    """A Debit from a row of ``_GET``."""
+    key, app_code, user_id, amount, status = row
+    return Debit(key, app_code, user_id, int(amount), status)
