@@ -16,7 +16,8 @@ import sqlalchemy as sa
 
 from roomservice.store import database
 from roomservice.store.database import Database, _WriteLock, session_limits_sql
-from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable
+from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable, Writes
+from roomservice.store.writes import run_writes
 
 
 async def test_sqlite_connections_get_wal_and_pragmas(tmp_path: Path) -> None:
@@ -656,6 +657,39 @@ async def test_a_unit_slow_inline_starts_on_a_thread_until_it_is_quick_there(tmp
         assert (counts.inline, counts.on_thread) == (3, 1)
         assert await db.run_read(_numbers) == []  # other kinds were inline all along
         assert counts.inline == 4
+    finally:
+        await db.dispose()
+
+
+COUNTING = sa.text(
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < :n) SELECT count(*) FROM c"
+)
+
+
+async def _counted(writes: Writes, n: int) -> int:
+    return int((await writes.rows(COUNTING, {"n": n}))[0][0])
+
+
+async def _counted_too(writes: Writes, n: int) -> int:
+    return int((await writes.rows(COUNTING, {"n": n}))[0][0])
+
+
+async def test_write_units_of_store_writes_are_slow_each_by_its_own_function(tmp_path: Path) -> None:
+    """Every unit of store.writes runs as ``on_connection(conn, fn, ...)``: a slow save must not send
+    the other kinds (a wallet debit, a save of one mutation) to a thread with it."""
+    _create_table(tmp_path / "room.db")
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    assert db._inline is not None
+    try:
+        assert await run_writes(db, _counted, 1) == 1  # warm (a cold first unit can be slow)
+        db._inline.slow_s, db._inline.budget_s = 0.005, 60  # (not stopped: only found slow)
+        assert await run_writes(db, _counted, 300_000) == 300_000  # tens of milliseconds
+        counts = db.unit_counts
+        assert (counts.inline, counts.on_thread, counts.slow) == (2, 0, 1)
+        assert await run_writes(db, _counted_too, 3) == 3  # another kind: inline still
+        assert (counts.inline, counts.on_thread) == (3, 0)
+        assert await run_writes(db, _counted, 3) == 3  # the slow kind starts on a thread
+        assert (counts.inline, counts.on_thread) == (3, 1)
     finally:
         await db.dispose()
 

@@ -81,6 +81,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FunctionType
 from typing import Any, Concatenate, Final, Literal, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, Table, create_engine, event
@@ -1285,9 +1286,10 @@ class _InlineUnits:
 
 def _unit_key(fn: object, args: tuple[Any, ...]) -> tuple[object, object]:
     """What tells one kind of unit from another: its function, and its first argument if that is a
-    statement (the generic functions, ``_execute(conn, statement, params)`` say, take it first)."""
+    statement (the generic functions, ``_execute(conn, statement, params)`` say, take it first) or a
+    function (the unit of :func:`roomservice.store.writes.on_connection` is its first argument)."""
     first = args[0] if args else None
-    return (fn, first if isinstance(first, (ClauseElement, str)) else None)
+    return (fn, first if isinstance(first, (ClauseElement, str, FunctionType)) else None)
 
 
 def _sqlite_busy_ms(timeout_s: float) -> int:
