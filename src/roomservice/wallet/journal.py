@@ -15,6 +15,8 @@ import sqlalchemy as sa
 
 from roomservice.store import tables as t
 from roomservice.store.database import Database, insert_or_ignore
+from roomservice.store.port import Writes
+from roomservice.store.writes import run_writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +38,13 @@ class DebitJournal:
 
     async def record(self, entry: JournalEntry) -> None:
         """Journal a debit about to be asked for; a retry of the same command restarts its
-        clock, so reconciliation never refunds a debit whose command is still being tried."""
-        await self._db.run_write(_record, entry)
+        clock, so reconciliation never refunds a debit whose command is still being tried.
+        Once a gift, before its command's transaction: on the driver's cursor as that one
+        (:mod:`roomservice.store.writes`)."""
+        await run_writes(self._db, _record, entry)
 
     async def forget(self, debit_key: str) -> None:
-        async with self._db.write() as conn:
-            await conn.execute(sa.delete(t.wallet_pending_debit).where(t.wallet_pending_debit.c.debit_key == debit_key))
+        await run_writes(self._db, _forget, debit_key)
 
     async def older_than(self, before_ms: int, *, limit: int) -> list[JournalEntry]:
         async with self._db.read() as conn:
@@ -69,17 +72,22 @@ _TOUCH: Final = (
 _INSERT: Final = insert_or_ignore(t.wallet_pending_debit)
 
 
-def _record(conn: sa.Connection, entry: JournalEntry) -> None:
-    if conn.execute(_TOUCH, {"b_key": entry.debit_key, "b_now": entry.created_at_ms}).rowcount == 0:
-        conn.execute(
-            _INSERT,
-            {
-                "debit_key": entry.debit_key,
-                "app_code": entry.app_code,
-                "room_id": entry.room_id,
-                "command_id": entry.command_id,
-                "user_id": entry.user_id,
-                "amount": entry.amount,
-                "created_at_ms": entry.created_at_ms,
-            },
-        )
+_FORGET: Final = sa.delete(t.wallet_pending_debit).where(t.wallet_pending_debit.c.debit_key == sa.bindparam("b_key"))
+
+
+async def _record(writes: Writes, entry: JournalEntry) -> None:
+    if await writes.execute_rendered(_TOUCH, {"b_key": entry.debit_key, "b_now": entry.created_at_ms}) == 0:
+        row = {
+            "debit_key": entry.debit_key,
+            "app_code": entry.app_code,
+            "room_id": entry.room_id,
+            "command_id": entry.command_id,
+            "user_id": entry.user_id,
+            "amount": entry.amount,
+            "created_at_ms": entry.created_at_ms,
+        }
+        await writes.execute_rendered(_INSERT, row)
+
+
+async def _forget(writes: Writes, debit_key: str) -> None:
+    await writes.execute_rendered(_FORGET, {"b_key": debit_key})
