@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+from redis.asyncio.retry import Retry as AsyncRetry
 
 from roomservice.config import ConfigError, load_settings
+from roomservice.leases.redis import redis_client
 
 
 def test_defaults_renew_well_before_the_lease_could_expire() -> None:
@@ -33,3 +37,14 @@ def test_a_consistent_short_lease_is_accepted() -> None:
     )
     assert settings.lease.renew_every.total_seconds() == 1.0
     assert settings.redis.socket_timeout.total_seconds() == 0.25
+
+
+def test_the_lease_client_gets_an_asyncio_retry_it_keeps_as_given() -> None:
+    """redis-py converts a synchronous Retry given to its asyncio client with a warning that a custom
+    retry is not kept: the client gets the asyncio one, with the one immediate retry we ask for."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        client = redis_client(load_settings().redis)
+    retry = client.connection_pool.connection_kwargs["retry"]
+    assert isinstance(retry, AsyncRetry)
+    assert retry._retries == 1

@@ -45,9 +45,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Final, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from roomservice.leases.port import Lease, LeaseBackendUnavailable, LeaseOwner, LeaseUnavailable
 from roomservice.observability.logging import get_logger
