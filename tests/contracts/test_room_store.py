@@ -699,6 +699,36 @@ async def test_a_mutations_rows_are_written_on_the_drivers_cursor(database: Data
     assert await count(database, t.room_command_log, t.room_command_log.c.room_id.like("drv%")) == 13
 
 
+async def test_a_rooms_load_a_commands_look_up_and_a_lease_epoch_run_on_the_drivers_cursor(
+    database: Database, store: SqlRoomStore, room: RoomDriver
+) -> None:
+    """The reads of a room's activation (and of a retried command) go to the driver's cursor too: on
+    MariaDB each went through SQLAlchemy's asyncio connection (issue 12)."""
+    m = await room.create()
+    await room.run(c.JoinRoom(user_id="bob"))
+    heard: list[tuple[str, bool]] = []
+    sync_engine = database._sync_engine or database.engine.sync_engine
+
+    def listen(_conn: Any, _cursor: Any, statement: str, _params: Any, context: Any, _many: bool) -> None:
+        if "room_" in statement:
+            heard.append((statement.split()[0], context is None))
+
+    sa.event.listen(sync_engine, "before_cursor_execute", listen)
+    try:
+        loaded = await store.load_room(APP, ROOM)
+        logged = await store.find_command(APP, ROOM, m.command_id)
+        missing = await store.find_command(APP, ROOM, "never-sent")
+        epoch = await store.take_lease_epoch(APP, ROOM)
+    finally:
+        sa.event.remove(sync_engine, "before_cursor_execute", listen)
+    assert loaded.state == room.state and loaded.epoch == 1
+    assert logged is not None and logged.response == m.response and logged.version == 1
+    assert missing is None
+    assert epoch == 2 and await store.take_lease_epoch(APP, "no-such-room") == 0
+    assert {kind for kind, _ in heard} == {"SELECT", "UPDATE"}
+    assert all(on_driver for _, on_driver in heard), heard
+
+
 async def test_concurrent_mutations_of_many_rooms_share_transactions(database: Database, store: SqlRoomStore) -> None:
     rooms = [RoomDriver(store, room_id=f"many{n}") for n in range(40)]
     for r in rooms:

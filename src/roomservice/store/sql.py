@@ -73,7 +73,7 @@ from roomservice.store.tables import (
     room_outbox,
     room_snapshot,
 )
-from roomservice.store.writes import run_writes
+from roomservice.store.writes import run_reads, run_writes
 
 OUTBOX_PENDING: Final = "pending"
 T = TypeVar("T")
@@ -172,7 +172,8 @@ def _guarded_updates_from_values(rooms: int) -> TextClause:
 _INSERT_COMMAND: Final = insert(_log)
 _INSERT_OUTBOX: Final = insert(_outbox)
 
-_BUMP_EPOCH: Final = update(_meta).where(_IS_ROOM_META).values(lease_epoch=_meta.c.lease_epoch + 1)
+# (+ a literal 1, not a bound one: execute_rendered takes only the parameters it is given)
+_BUMP_EPOCH: Final = update(_meta).where(_IS_ROOM_META).values(lease_epoch=_meta.c.lease_epoch + literal_column("1"))
 _SELECT_EPOCH: Final = select(_meta.c.lease_epoch).where(_IS_ROOM_META)
 
 _FIND_COMMAND: Final = select(_log.c.command_id, _log.c.fingerprint, _log.c.response, _log.c.version).where(
@@ -298,21 +299,19 @@ class SqlRoomStore:
 
     async def find_command(self, app_code: str, room_id: str, command_id: str) -> LoggedCommand | None:
         params = {"app_code": app_code, "room_id": room_id, "command_id": command_id}
-        row = await self.db.run_read(_first_row, _FIND_COMMAND, params)
-        if row is None:
+        rows = await run_reads(self.db, _rows_of, _FIND_COMMAND, params)
+        if not rows:
             return None
+        command_id_, fingerprint_, response, version = rows[0]
         return LoggedCommand(
-            command_id=row.command_id,
-            fingerprint=row.fingerprint,
-            response=orjson.loads(row.response),
-            version=row.version,
+            command_id=command_id_, fingerprint=fingerprint_, response=orjson.loads(response), version=version
         )
 
     async def take_lease_epoch(self, app_code: str, room_id: str) -> int:
-        return await self.db.run_write(_take_lease_epoch, {"b_app_code": app_code, "b_room_id": room_id})
+        return await run_writes(self.db, _take_lease_epoch, {"b_app_code": app_code, "b_room_id": room_id})
 
     async def load_room(self, app_code: str, room_id: str) -> LoadedRoom:
-        rows = await self.db.run_read(_load_room_rows, {"app_code": app_code, "room_id": room_id})
+        rows = await run_reads(self.db, _rows_of, _LOAD_ROOM, {"app_code": app_code, "room_id": room_id})
         meta_version: int | None = None
         epoch = 0
         state: RoomState | None = None
@@ -442,22 +441,19 @@ class SqlRoomStore:
 # Plain synchronous functions of a Connection, run by Database.run_read/run_write.
 
 
-def _first_row(conn: Connection, statement: Executable, params: dict[str, Any]) -> Row[Any] | None:
-    return conn.execute(statement, params).first()
-
-
 def _all_rows(conn: Connection, statement: Executable, params: dict[str, Any]) -> Sequence[Row[Any]]:
     return conn.execute(statement, params).all()
 
 
-def _load_room_rows(conn: Connection, params: dict[str, Any]) -> Sequence[Row[int, int, int, str | None]]:
-    return conn.execute(_LOAD_ROOM, params).all()
+async def _rows_of(reads: Writes, statement: Any, params: dict[str, Any]) -> Sequence[tuple[Any, ...]]:
+    return await reads.rows(statement, params)
 
 
-def _take_lease_epoch(conn: Connection, params: dict[str, Any]) -> int:
-    if conn.execute(_BUMP_EPOCH, params).rowcount == 0:
+async def _take_lease_epoch(writes: Writes, params: dict[str, Any]) -> int:
+    if await writes.execute_rendered(_BUMP_EPOCH, params) == 0:
         return 0
-    return int(conn.scalar(_SELECT_EPOCH, params) or 0)
+    rows = await writes.rows(_SELECT_EPOCH, params)
+    return int(rows[0][0]) if rows else 0
 
 
 async def _save_mutation(

@@ -1,7 +1,8 @@
-"""Write units written once for both backends, their statements on the driver's cursor (issue 12).
+"""Units written once for both backends, their statements on the driver's cursor (issue 12).
 
-A unit that writes a command's rows (the store's save, the embedded wallet's debit attached to it)
-is a coroutine ``fn(writes, *args)`` over :class:`~roomservice.store.port.Writes`:
+A unit of a command's path (the store's save, the embedded wallet's debit attached to it, the debit
+journal; a room's load and a command's look-up, which only read) is a coroutine ``fn(writes, *args)``
+over :class:`~roomservice.store.port.Writes`:
 
 * MySQL/MariaDB: an async unit of :meth:`Database.run_driver_write`, ``writes`` its
   :class:`~roomservice.store.driver.DriverCursor` on a held session: no checkout, BEGIN, greenlet
@@ -30,6 +31,15 @@ async def run_writes(db: Database, fn: Callable[..., Coroutine[Any, Any, T]], *a
     """``fn(writes, *args)`` in one write transaction of ``db``, committed unless it raises."""
     if db.is_sqlite:
         return await db.run_write(on_connection, fn, *args)
+    return await db.run_driver_write(fn, *args)
+
+
+async def run_reads(db: Database, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+    """``fn(reads, *args)`` for a unit that only reads (a room's load, a command's look-up), on the same
+    cursors: on SQLite a read unit of :meth:`Database.run_read` (inline, one snapshot), on MySQL/MariaDB
+    a driver unit as :func:`run_writes` runs one (its transaction, which wrote nothing, committed)."""
+    if db.is_sqlite:
+        return await db.run_read(on_connection, fn, *args)
     return await db.run_driver_write(fn, *args)
 
 
