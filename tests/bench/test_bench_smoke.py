@@ -200,3 +200,21 @@ def test_worker_rows_times_and_counts_both_shapes() -> None:
     # the direct shape decodes every row and publishes it row after row: more than the pipeline's (a count,
     # the same for the same code, unlike the CPU times of 400 rows)
     assert float(counts["mq"]) < float(counts["direct"])
+
+
+def test_a_bench_refuses_another_checkouts_code_on_pythonpath(tmp_path: Path) -> None:
+    """From main's directory, ``PYTHONPATH=<other>/src python -m bench.<name>`` would measure main's code:
+    refused, naming the path, before anything runs. This checkout's own src on the path is fine."""
+    other = tmp_path / "other" / "src"
+    (other / "roomservice").mkdir(parents=True)
+    refused = subprocess.run(
+        [sys.executable, "-c", "import bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(other), str(ROOT)])},
+    )
+    assert refused.returncode != 0
+    assert str(other) in refused.stderr and "from the directory of the checkout" in refused.stderr
+    accepted = subprocess.run(
+        [sys.executable, "-c", "import bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])},
+    )
+    assert accepted.returncode == 0, accepted.stderr
