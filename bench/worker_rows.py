@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.e2e.worker_proc import PipeliningPublisher, RecordingPublisher
+from tests.e2e.worker_proc import PipeliningPublisher, RecordingPublisher, two_target_publishers
 
 from bench import callgrind
 from roomservice.domain import events as e
@@ -112,7 +112,7 @@ async def drain(shape: str, rows: list[ClaimedRow]) -> None:
     """One worker drains ``rows`` to an instant publisher of ``shape``, as bench.outbox_drain's workers run."""
     repository = InMemoryRepository(rows)
     if shape == TWO_TARGETS:
-        mode, publishers = PublishMode.DIRECT, {"im": RecordingPublisher(0.0), "activity": RecordingPublisher(0.0)}
+        mode, publishers = PublishMode.DIRECT, two_target_publishers(0.0)
     else:
         mode, publishers = PublishMode.MQ, {BROKER: SHAPES[shape](0.0)}
     worker = OutboxWorker(

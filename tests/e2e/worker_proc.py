@@ -75,6 +75,12 @@ class PipeliningPublisher(RecordingPublisher):
         return exc
 
 
+def two_target_publishers(delay_s: float) -> dict[str, RecordingPublisher]:
+    """Direct mode as configured by default: IM and activity, each a publisher taking the decoded Event
+    (the ``direct-2`` shape of bench.worker_rows and bench.outbox_drain)."""
+    return {"im": RecordingPublisher(delay_s), "activity": RecordingPublisher(delay_s)}
+
+
 def _connected(conn: sa.Connection) -> None:
     conn.execute(sa.text("SELECT 1"))
 
@@ -120,7 +126,7 @@ async def main() -> None:
     publishers = {BROKER: (PipeliningPublisher if args.pipelined else RecordingPublisher)(delay_s)}
     if args.two_targets:  # a join's row needs both (a row of a type routed to IM only needs IM)
         mode = PublishMode.DIRECT
-        publishers = {"im": RecordingPublisher(delay_s), "activity": RecordingPublisher(delay_s)}
+        publishers = two_target_publishers(delay_s)
     db = Database.from_url(args.url, pool_size=4, max_overflow=2)
     # without a log, the worker as `room-service worker` runs it (no recording layer per row)
     worker_class = RecordingWorker if args.log else OutboxWorker

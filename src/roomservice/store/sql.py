@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Final, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import Any, Final
 
 import orjson
 from sqlalchemy import (
@@ -76,7 +76,6 @@ from roomservice.store.tables import (
 from roomservice.store.writes import run_reads, run_writes
 
 OUTBOX_PENDING: Final = "pending"
-T = TypeVar("T")
 
 
 def dump_json(value: Any) -> str:
@@ -371,29 +370,22 @@ class SqlRoomStore:
 
     async def _commit_units(self, units: list[_MutationUnit]) -> list[Failed | None]:
         if len(units) == 1:
-            return [await _outcome_of(self._write(_save_mutation, *units[0]))]
+            return [await _outcome_of(run_writes(self.db, _save_mutation, *units[0]))]
         try:
             try:
-                return await self._write(_save_mutations_together, units, True)
+                return await run_writes(self.db, _save_mutations_together, units, True)
             except _GuardFailed:
                 # rolled back, nothing of it committed: the batch again with a guarded UPDATE per room,
                 # which tells the stale rooms apart, so that they fail alone and the rest commit
                 self.guards_redone += 1
-                return await self._write(_save_mutations_together, units, False)
+                return await run_writes(self.db, _save_mutations_together, units, False)
         except _RetryAlone:
             # rolled back, nothing of it committed: each mutation again in a transaction of its own,
             # so the one that failed fails alone
             self.retried_alone += 1
             return list(
-                await asyncio.gather(*(_outcome_of(self._write(_save_mutation, *unit)) for unit in units))
+                await asyncio.gather(*(_outcome_of(run_writes(self.db, _save_mutation, *unit)) for unit in units))
             )
-
-    async def _write(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-        """``fn(writes, *args)`` in one write transaction, its statements on the driver's cursor
-        (:mod:`roomservice.store.writes`): on MySQL/MariaDB, SQLAlchemy's asyncio connection, with its
-        checkout, BEGIN, COMMIT and greenlet hop a statement, was most of a command's CPU when commands
-        come one at a time (issue 12: bench.command_path at concurrency 1, 823 us of CPU a join)."""
-        return await run_writes(self.db, fn, *args)
 
     async def save_snapshot(self, state: RoomState, *, now_ms: int) -> None:
         row = {
