@@ -812,7 +812,8 @@ class _HeldSessions:
     Through SQLAlchemy's asyncio connection a unit's checkout, begin, commit and check-in each cross
     its greenlet bridge and the pool's bookkeeping: 600-900 us of CPU a unit, measured against
     ~300 us for a one-statement unit and its COMMIT on the driver alone. Driver units (the outbox
-    worker's claim and finish) come one after another all day, so a few sessions stay checked out
+    worker's claim and finish, a command's save, a room's load: :mod:`roomservice.store.writes`) come
+    one after another all day, so a few sessions stay checked out
     between them: a unit takes an idle one (no await), runs its statements and its COMMIT or ROLLBACK
     on the driver, and puts it back. Only a session whose transaction ended is put back, and it is
     rolled back only when the server answered each of its statements; anything else (cancelled,

@@ -1,6 +1,7 @@
 """Statements run on the driver's own cursor, for the hottest write units (issue 12).
 
-The outbox worker's claim and finish, and the store's save of a command's rows, run a few small
+The outbox worker's claim and finish, the store's save of a command's rows (with a gift's embedded
+debit), a room's load, a command's look-up, the lease epoch and the debit journal run a few small
 statements a unit on the event loop its commands share; SQLAlchemy's execution of a statement
 (execution context, parameter and result processing) costs more CPU than the driver's own work:
 
