@@ -12,11 +12,15 @@ Prints, for SQLite and MariaDB:
     draining at one instant (SIGUSR1), and the time runs from that instant to the last
     delivered row; beside each rate, the processes' CPU per row over the drain; --rounds such
     rounds (3), the shapes' order turned each round, then each shape's median ratio over them;
+    beside them, the "floor": the bare loop plus the least the specification asks of every row
+    (refuse a payload that does not decode; hand the row to a publisher, here one that takes it at
+    once), in as many processes -- what the bare loop's rate leaves a worker written as tightly as
+    Python allows, so that a ratio is read against it (floor / bare, worker / floor);
   * commit-to-delivered latency p50/p99 at a steady 200 events/s over 50 rooms (--rooms) with poll_interval 1s
     (the commit's wake-up, not the poll, must carry it), beside the p99 of one bare
     claim + finish cycle (two transactions with the bare driver) in the same run.
 
-With ``--instructions``, instead: one process of each kind (the bare loop, a worker of each shape) drains
+With ``--instructions``, instead: one process of each kind (the bare loop, the floor, a worker of each shape) drains
 ``--rows`` rows under valgrind's callgrind, counted from the start signal to the last delivered row:
 instructions a row in user space (the process's own: not the kernel's, nor the database server's), the
 same count for the same code however busy the machine is. On SQLite one process draining is bound by
@@ -54,6 +58,7 @@ from roomservice.domain import commands as c
 from roomservice.domain import events as e
 from roomservice.domain.events import Event
 from roomservice.observability.logging import configure_logging
+from roomservice.proto import room_outbox_event_pb2 as pb
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.migrate import upgrade
@@ -138,14 +143,18 @@ async def drained(watch: DrainWatch, rows: int, every_s: float) -> None:
         raise RuntimeError(f"the drain ended with {delivered} of {rows} rows delivered")
 
 
+FLOOR = "floor"  # the bare loop plus the least a row needs (raw_loop's floor)
+
 # the publisher's shape: worker_proc's arguments ("direct-2": direct mode, each row to IM and activity)
 SHAPES = {"direct": [], "mq": ["--pipelined"], "direct-2": ["--two-targets"]}
 
 
 def drain_command(kind: str, url: str, i: int) -> list[str]:
-    """The command line of drain process ``i`` of ``kind``: "raw" (the bare loop) or a worker shape."""
-    if kind == "raw":
-        return [sys.executable, "-m", "bench.outbox_drain", "--raw-loop", url, owner_name("r", i)]
+    """The command line of drain process ``i`` of ``kind``: "raw" (the bare loop), "floor" (the bare loop
+    plus the least a row needs) or a worker shape."""
+    if kind in ("raw", FLOOR):
+        return [sys.executable, "-m", "bench.outbox_drain", "--raw-loop", url, owner_name("r", i),
+                *(["--floor"] if kind == FLOOR else [])]
     return [sys.executable, "-m", "tests.e2e.worker_proc", "--url", url, "--owner", owner_name("w", i),
             "--batch", str(BATCH), "--concurrency", str(BATCH), "--start-on-sigusr1", *SHAPES[kind]]
 
@@ -184,8 +193,10 @@ async def counted_drain(backend: str, rows: int, kind: str) -> float:
 
 async def instructions(backends: list[str], rows: int) -> None:
     for backend in backends:
-        counted = {kind: await counted_drain(backend, rows, kind) for kind in ("raw", *SHAPES)}
+        counted = {kind: await counted_drain(backend, rows, kind) for kind in ("raw", FLOOR, *SHAPES)}
         raw = counted["raw"]
+        print(f"[{backend}] one process, floor: {counted[FLOOR] / 1e3:6.1f}k instructions a row   "
+              f"bare loop: {raw / 1e3:6.1f}k   bare / floor {raw / counted[FLOOR]:.2f}x", flush=True)
         for shape in SHAPES:
             print(f"[{backend}] one process, {shape:8} publisher: {counted[shape] / 1e3:6.1f}k instructions a row   "
                   f"bare loop: {raw / 1e3:6.1f}k   bare / worker {raw / counted[shape]:.2f}x"
@@ -193,21 +204,43 @@ async def instructions(backends: list[str], rows: int) -> None:
                   flush=True)
 
 
-async def raw_loop(url: str, owner: str) -> None:
+async def raw_loop(url: str, owner: str, *, floor: bool = False) -> None:
     """The baseline process: the bare driver (sqlite3 / asyncmy, bench.bare) claims a batch with the
-    worker's claim statement and finishes it as delivered with the worker's guarded finish, nothing else."""
+    worker's claim statement and finishes it as delivered with the worker's guarded finish, nothing else.
+    ``floor``: and in between, each row as :func:`floor_row` takes it."""
     store = await open_raw(url)
     go = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, go.set)
     print("ready", flush=True)
     await go.wait()  # started together with the other processes, as the workers are
+    publisher = FloorPublisher()
     while True:
         now = time.time_ns() // 1_000_000
         rows = await store.claim(owner, now, BATCH)
         if not rows:
             await asyncio.sleep(0.05)
             continue
-        await store.finish(owner, now, [r[0] for r in rows])
+        ids = [await floor_row(row, publisher) for row in rows] if floor else [r[0] for r in rows]
+        await store.finish(owner, now, ids)
+
+
+class FloorPublisher:
+    """A publisher of the claimed row's fields that takes it at once (the worker's port, nothing behind it)."""
+
+    async def publish_claimed(self, *, event_id: str, event_type: str, app_code: str, room_id: str,
+                              payload: bytes) -> None:
+        return None
+
+
+async def floor_row(row: tuple[Any, ...], publisher: FloorPublisher) -> int:
+    """The least the specification asks of a claimed row (bench.bare's columns): its payload decodes
+    as an event envelope of a known type (the worker's check: raises here, where the seed has no such
+    row), and a publisher takes it. Its id, to finish as delivered."""
+    row_id, event_id, app_code, room_id, _, event_type, payload = row[:7]
+    e.PAYLOAD_TYPES[pb.RoomOutboxEvent.FromString(payload).type]
+    await publisher.publish_claimed(event_id=event_id, event_type=event_type, app_code=app_code,
+                                    room_id=room_id, payload=payload)
+    return int(row_id)
 
 
 class InstantPublisher:
@@ -293,27 +326,41 @@ async def drain_rounds(backend: str, workers: int, rows: int, rounds: int) -> No
     shapes' order turned by one each round (a drain of 20,000 rows lasts about a second: one pair's
     ratio moved by +-20 % between runs minutes apart, 0.68-1.09x for the same code); each round's
     lines, then the median of the rounds' ratios and CPU a row."""
-    seen: dict[str, list[tuple[float, float, float]]] = {shape: [] for shape in SHAPES}  # (ratio, CPU, bare CPU)
+    # by shape (and FLOOR): (ratio to the bare loop, ratio to the floor, CPU a row, the bare loop's CPU a row)
+    seen: dict[str, list[tuple[float, float, float, float]]] = {shape: [] for shape in (FLOOR, *SHAPES)}
     shapes = list(SHAPES)
     for n in range(rounds):
         order = shapes[n % len(shapes) :] + shapes[: n % len(shapes)]
         drained = {order[0]: await worker_drain(backend, workers, rows, order[0])}
         raw_rate, raw_cpu = await raw_drain(backend, workers, rows)
+        drained[FLOOR] = await worker_drain(backend, workers, rows, FLOOR)
         for shape in order[1:]:
             drained[shape] = await worker_drain(backend, workers, rows, shape)
-        for shape in shapes:
+        floor_rate = drained[FLOOR][0]
+        for shape in (FLOOR, *shapes):
             worker_rate, worker_cpu = drained[shape]
-            seen[shape].append((worker_rate / raw_rate, worker_cpu, raw_cpu))
+            seen[shape].append((worker_rate / raw_rate, worker_rate / floor_rate, worker_cpu, raw_cpu))
+            if shape == FLOOR:
+                print(f"[{backend}] {workers} worker(s), floor (the bare loop + each row's envelope check and an "
+                      f"instant publish): {worker_rate:7.0f} events/s   ratio {worker_rate / raw_rate:.2f}x the bare "
+                      f"loop's   CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row", flush=True)
+                continue
             print(f"[{backend}] {workers} worker(s), {shape:8} publisher: {worker_rate:7.0f} events/s   "
                   f"raw claim+finish: {raw_rate:7.0f} events/s (bare driver)   ratio "
-                  f"{worker_rate / raw_rate:.2f}x (target >= 0.90)   "
+                  f"{worker_rate / raw_rate:.2f}x (target >= 0.90), {worker_rate / floor_rate:.2f}x the floor   "
                   f"CPU over the drain {worker_cpu:.1f} / {raw_cpu:.1f} us a row; {allowance(raw_cpu)}", flush=True)
     for shape, got in seen.items():
-        ratios = sorted(ratio for ratio, _, _ in got)
-        print(f"[{backend}] {workers} worker(s), {shape:8} over {rounds} round(s): median ratio "
-              f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f}; target >= 0.90)   "
-              f"CPU a row, median {statistics.median(cpu for _, cpu, _ in got):.1f} / "
-              f"{statistics.median(raw for _, _, raw in got):.1f} us (bare)", flush=True)
+        ratios = sorted(ratio for ratio, _, _, _ in got)
+        if shape == FLOOR:
+            name, target = "floor   ", ""
+        else:
+            name, target = f"{shape:8}", "; target >= 0.90"
+        against_floor = "" if shape == FLOOR else (
+            f", {statistics.median(of_floor for _, of_floor, _, _ in got):.2f}x the floor")
+        print(f"[{backend}] {workers} worker(s), {name} over {rounds} round(s): median ratio "
+              f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f}{target})"
+              f"{against_floor}   CPU a row, median {statistics.median(cpu for _, _, cpu, _ in got):.1f} / "
+              f"{statistics.median(raw for _, _, _, raw in got):.1f} us (bare)", flush=True)
 
 
 async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: int, seconds: float,
@@ -339,8 +386,8 @@ async def run(backends: list[str], rows: int, *, workers_list: list[int], rate: 
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--raw-loop":
-        asyncio.run(raw_loop(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--raw-loop":
+        asyncio.run(raw_loop(sys.argv[2], sys.argv[3], floor=sys.argv[4:] == ["--floor"]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["sqlite", "mariadb", "both"], default="both")

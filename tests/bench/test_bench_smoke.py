@@ -97,8 +97,11 @@ def test_outbox_drain_runs() -> None:
                     "--rate", "50", "--seconds", "1", "--idle-seconds", "0", "--rounds", "2")
     assert "(bare driver)" in out and "bare claim+finish cycle" in out and "us a row" in out
     assert out.count(" publisher: ") == 2 * 3  # each round's three shapes...
-    assert out.count("over 2 round(s): median ratio") == 3  # ...then each shape's median
+    assert out.count("over 2 round(s): median ratio") == 4  # ...then each shape's median, and the floor's
     assert "a row may cost" in out  # what 0.9x leaves the worker above the bare loop's CPU a row
+    # the floor (the bare loop + the least a row needs) drained every row in each round, each shape read against it
+    assert out.count("floor (the bare loop + each row's envelope check and an instant publish):") == 2
+    assert out.count("x the floor") == 2 * 3 + 3
 
 
 def test_outbox_drain_counts_each_kind_of_process_under_callgrind() -> None:
@@ -110,6 +113,11 @@ def test_outbox_drain_counts_each_kind_of_process_under_callgrind() -> None:
         re.MULTILINE,
     )
     assert {shape for shape, *_ in lines} == {"direct", "mq", "direct-2"}, out
+    floor = re.search(r"^\[sqlite\] one process, floor: +([\d.]+)k instructions a row +bare loop: +([\d.]+)k", out,
+                      re.MULTILINE)
+    assert floor is not None, out
+    # the floor runs the bare loop's statements and more; every worker shape does more still
+    assert float(floor[2]) < float(floor[1]) < min(float(worker) for _, worker, _, _ in lines)
     for _, worker, bare, ratio in lines:
         # the worker issues the bare loop's statements and does more besides: a count, the same for the same code
         assert 0 < float(bare) < float(worker)
