@@ -356,6 +356,36 @@ async def test_a_lost_session_lets_every_idle_one_go(holding: Database, mariadb_
         await killer.dispose()
 
 
+async def test_a_loss_seen_by_a_driver_unit_retires_the_pooled_connections_too(
+    holding: Database, mariadb_url: str
+) -> None:
+    # A server that went away (a restart, a failover) took every session with it, the pool's idle ones too.
+    # SQLAlchemy's own execution, on the first lost connection it sees, has the pool retire every connection
+    # older than that (they are replaced at their next checkout); a driver unit must do the same, or each
+    # stale pooled connection fails one more command (issue 12 review).
+    sessions = await concurrent_sessions(holding, 6)  # 2 held idle afterwards, 4 back in the pool
+    assert len(sessions) == 6 and checked_out(holding) == 2
+    killer = Database.from_url(mariadb_url, pool_size=1, max_overflow=0, timeout_s=5.0)
+    try:
+        async with killer.write() as conn:
+            for session in sessions:
+                await conn.execute(sa.text(f"KILL CONNECTION {session}"))
+    finally:
+        await killer.dispose()
+
+    failed = 0
+    for _ in range(8):
+        try:
+            await holding.run_driver_write(lambda cur: cur.execute(SET_N, {"ids": [1], "n": 7}))
+        except StoreUnavailable:
+            failed += 1
+        else:
+            break
+    assert failed == 1  # the unit that met the loss; the next one ran on a fresh connection
+    assert await rows(holding) == [(1, 7, "set"), (2, 0, "b"), (3, 0, "c")]
+    assert not await concurrent_sessions(holding, 6) & sessions  # nothing of the old server's used again
+
+
 async def test_a_held_session_goes_back_to_the_pool_with_its_read_timeout_after_its_time(
     holding: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:

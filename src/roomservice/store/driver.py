@@ -285,10 +285,20 @@ class DriverCursor(_Statements):
             if translated is None:
                 raise
             if lost:
+                self._retire_older_connections(seen)
                 await self._conn.invalidate(seen)
             raise translated from exc
         self._announce_done(text, args, many)
         return result
+
+    def _retire_older_connections(self, exc: BaseException) -> None:
+        """What SQLAlchemy's execution does when it sees a connection lost (before invalidating it): the
+        pool replaces every connection made before this one at its next checkout, as the server may have
+        gone away for all of them (a restart, a failover). Without it each stale pooled connection failed
+        one more unit."""
+        fairy = self._sync._dbapi_connection  # its record's start time: a loss of an older one retires nothing new
+        if fairy is not None:
+            self._sync.engine.pool._invalidate(fairy, exc, _checkin=False)
 
 
 def _answered_by_the_server(exc: BaseException) -> bool:
