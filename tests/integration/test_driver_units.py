@@ -5,7 +5,9 @@ unit's :class:`SqliteCursor`, inline and on a thread."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import warnings
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -384,6 +386,52 @@ async def test_a_loss_seen_by_a_driver_unit_retires_the_pooled_connections_too(
     assert failed == 1  # the unit that met the loss; the next one ran on a fresh connection
     assert await rows(holding) == [(1, 7, "set"), (2, 0, "b"), (3, 0, "c")]
     assert not await concurrent_sessions(holding, 6) & sessions  # nothing of the old server's used again
+
+
+async def test_a_unit_cancelled_while_stale_sessions_are_let_go_still_hands_its_own_back(
+    holding: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await concurrent_sessions(holding, 2)  # two held idle
+    assert checked_out(holding) == 2
+    held = holding._held
+    release = held._release
+    releasing = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def slow_release(session: Any) -> None:  # letting a stale session go takes a while
+        releasing.set()
+        await go_on.wait()
+        await release(session)
+
+    monkeypatch.setattr(held, "_release", slow_release)
+    in_unit = asyncio.Event()
+    leave = asyncio.Event()
+
+    async def unit(cur: DriverCursor) -> None:
+        await cur.rows(SESSION, {})
+        in_unit.set()
+        await leave.wait()
+
+    task = asyncio.create_task(holding.run_driver_write(unit))
+    await in_unit.wait()
+    held.lost()  # a loss elsewhere meanwhile: the idle session left is stale, and so is the unit's
+    leave.set()
+    await releasing.wait()  # the unit ended; its runner lets the stale idle one go first
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        task.cancel()  # the caller gives up then
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del task
+        gc.collect()
+        go_on.set()
+
+        async def all_back() -> None:
+            assert checked_out(holding) == 0
+
+        await eventually(all_back, within_s=5, what="every session back in the pool")
+    # the unit's own session was let go, not left to the garbage collector (which would say so)
+    assert not [w for w in warned if "non-checked-in connection" in str(w.message)]
 
 
 async def test_a_held_session_goes_back_to_the_pool_with_its_read_timeout_after_its_time(

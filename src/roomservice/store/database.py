@@ -863,20 +863,24 @@ class _HeldSessions:
         self._epoch += 1
 
     async def put_back(self, held: _HeldSession) -> None:
-        stale = [h for h in self._idle if h.epoch != self._epoch]
-        if stale:  # a loss since: let the stale ones go
+        # ``held`` is kept or on its way out before the first await: a caller cancelled while the
+        # stale ones are let go would otherwise leave it to the garbage collector
+        leaving = [h for h in self._idle if h.epoch != self._epoch]  # a loss since: the stale ones go
+        if leaving:
             self._idle = [h for h in self._idle if h.epoch == self._epoch]
-            await asyncio.gather(*(self.let_go(h) for h in stale))
         if not self._closed and len(self._idle) < self._keep and self.usable(held):
             self._idle.append(held)
         else:
-            await self.let_go(held)
+            leaving.append(held)
+        if leaving:  # each release is started here, shielded: it ends even if this caller is cancelled
+            await asyncio.gather(*[self.let_go(h) for h in leaving])
 
-    async def let_go(self, held: _HeldSession) -> None:
+    def let_go(self, held: _HeldSession) -> asyncio.Future[None]:
         """Back to the pool (its transaction ended: no reset round trip); a session of an earlier epoch
-        is closed and invalidated instead, without a byte sent, as its server may be gone. Shielded:
-        a caller's deadline never leaves it half released."""
-        await asyncio.shield(self._release(held))
+        is closed and invalidated instead, without a byte sent, as its server may be gone. Started now
+        and shielded (awaiting the result is optional): a caller's deadline or cancellation never leaves
+        it half released, nor unreleased."""
+        return asyncio.shield(self._release(held))
 
     async def _release(self, held: _HeldSession) -> None:
         held.driver._read_timeout = held.backstop
