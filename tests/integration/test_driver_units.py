@@ -5,6 +5,7 @@ unit's :class:`SqliteCursor`, inline and on a thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import warnings
@@ -556,6 +557,26 @@ async def test_a_driver_error_the_server_did_not_send_discards_the_session(holdi
         await holding.run_driver_write(unit)
     assert not failure.value.connection_invalidated  # not a disconnect to SQLAlchemy's dialect
     assert checked_out(holding) == 0  # but never rolled back and used again: what it reads next is unknown
+    assert await held_session(holding) != before
+    assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
+
+
+async def test_a_unit_that_goes_on_past_a_driver_error_of_its_own_catching_commits_nothing(holding: Database) -> None:
+    before = await held_session(holding)
+
+    async def unit(cur: DriverCursor) -> str:
+        await cur.execute(SET_N, {"ids": [1], "n": 9})
+        driver = cur._cursor
+        cur._cursor = OutOfSequence(driver)
+        with contextlib.suppress(sa.exc.InternalError):  # a unit that made a driver error its own business
+            await cur.execute(SET_N, {"ids": [2], "n": 9})
+        cur._cursor = driver
+        return "went on"
+
+    # what the connection reads next is unknown: no COMMIT is sent on it, and the caller is told
+    with pytest.raises(StoreUnavailable, match="out of step"):
+        await holding.run_driver_write(unit)
+    assert checked_out(holding) == 0  # discarded, not used again
     assert await held_session(holding) != before
     assert await rows(holding) == [(1, 0, "a"), (2, 0, "b"), (3, 0, "c")]
 

@@ -445,6 +445,10 @@ class Database:
                 cursor = DriverCursor(held.conn, held.driver.cursor())
                 try:
                     result = await fn(cursor, *args, **kwargs)
+                    if cursor.out_of_step:  # fn went on past a driver error it caught: nothing of it commits
+                        raise StoreUnavailable(
+                            "a statement of the unit failed out of step with the server; the unit was not committed"
+                        )
                     await cursor.end(commit=True)
                 except Exception as exc:
                     if _lost_connection(exc):  # invalidated by the cursor; the server may be gone for all
