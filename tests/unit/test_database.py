@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -17,7 +18,7 @@ import sqlalchemy as sa
 from roomservice.store import database
 from roomservice.store.database import Database, _WriteLock, session_limits_sql
 from roomservice.store.port import StoreDeadlineExceeded, StoreUnavailable, Writes
-from roomservice.store.writes import run_writes
+from roomservice.store.writes import run_reads, run_writes
 
 
 async def test_sqlite_connections_get_wal_and_pragmas(tmp_path: Path) -> None:
@@ -689,6 +690,35 @@ async def test_write_units_of_store_writes_are_slow_each_by_its_own_function(tmp
         assert await run_writes(db, _counted_too, 3) == 3  # another kind: inline still
         assert (counts.inline, counts.on_thread) == (3, 0)
         assert await run_writes(db, _counted, 3) == 3  # the slow kind starts on a thread
+        assert (counts.inline, counts.on_thread) == (3, 1)
+    finally:
+        await db.dispose()
+
+
+COUNTING_TOO = sa.text(
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < :n) SELECT count(*) + 0 FROM c"
+)
+
+
+async def _rows_of(reads: Writes, statement: Any, params: dict[str, Any]) -> int:
+    return int((await reads.rows(statement, params))[0][0])
+
+
+async def test_read_units_of_one_function_are_slow_each_by_its_statement(tmp_path: Path) -> None:
+    """A room's load and a command's look-up are one function of store.writes with two statements:
+    a slow load of a big room must not send every look-up to a thread with it (issue 12 review)."""
+    _create_table(tmp_path / "room.db")
+    db = Database.from_url(f"sqlite+aiosqlite:///{tmp_path}/room.db")
+    assert db._inline is not None
+    try:
+        assert await run_reads(db, _rows_of, COUNTING, {"n": 1}) == 1  # warm
+        db._inline.slow_s, db._inline.budget_s = 0.005, 60  # (not stopped: only found slow)
+        assert await run_reads(db, _rows_of, COUNTING, {"n": 300_000}) == 300_000  # tens of milliseconds
+        counts = db.unit_counts
+        assert (counts.inline, counts.on_thread, counts.slow) == (2, 0, 1)
+        assert await run_reads(db, _rows_of, COUNTING_TOO, {"n": 3}) == 3  # another statement: inline still
+        assert (counts.inline, counts.on_thread) == (3, 0)
+        assert await run_reads(db, _rows_of, COUNTING, {"n": 3}) == 3  # the slow one starts on a thread
         assert (counts.inline, counts.on_thread) == (3, 1)
     finally:
         await db.dispose()

@@ -1295,10 +1295,14 @@ class _InlineUnits:
 
 def _unit_key(fn: object, args: tuple[Any, ...]) -> tuple[object, object]:
     """What tells one kind of unit from another: its function, and its first argument if that is a
-    statement (the generic functions, ``_execute(conn, statement, params)`` say, take it first) or a
-    function (the unit of :func:`roomservice.store.writes.on_connection` is its first argument)."""
+    statement (the generic functions, ``_execute(conn, statement, params)`` say, take it first). The
+    unit of :func:`roomservice.store.writes.on_connection` is its first argument, a function, told apart
+    the same way by the arguments after it (a room's load and a command's look-up: one function, two
+    statements)."""
+    if args and isinstance(args[0], FunctionType):
+        fn, args = args[0], args[1:]
     first = args[0] if args else None
-    return (fn, first if isinstance(first, (ClauseElement, str, FunctionType)) else None)
+    return (fn, first if isinstance(first, (ClauseElement, str)) else None)
 
 
 def _sqlite_busy_ms(timeout_s: float) -> int:
