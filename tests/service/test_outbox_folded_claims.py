@@ -43,10 +43,12 @@ class CountingPublisher:
         self.name = name
         self.fail_next = 0
         self.successes: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
 
     async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
         if self.fail_next:
             self.fail_next -= 1
+            self.failures[event.event_id] += 1
             raise RetryableError(f"{self.name} failed transiently")
         self.successes[event.event_id] += 1
 
@@ -175,8 +177,13 @@ async def _scenario(script: list[tuple[Any, ...]], path: Path) -> None:
                 await cycle(worker)
         async with db.read() as conn:
             statuses = dict((await conn.execute(sa.select(t.room_outbox.c.event_id, t.room_outbox.c.status))).all())
+            retries = dict(
+                (await conn.execute(sa.select(t.room_outbox.c.event_id, t.room_outbox.c.retry_count))).all()
+            )
         assert statuses == dict.fromkeys(events, "delivered")  # no finish lost, nothing left claimed
         assert publisher.successes == Counter(dict.fromkeys(events, 1))  # none delivered twice
+        # each failed attempt counted once: a finish written again (its answer lost) counts nothing twice
+        assert {ev: retries[ev] for ev in events} == {ev: publisher.failures[ev] for ev in events}
     finally:
         await db.dispose()
 
@@ -417,5 +424,88 @@ def test_a_held_finish_keeps_its_rows_claimed_while_a_short_batch_publishes_slow
         statuses = await _statuses(db)
         assert statuses == dict.fromkeys((ev.event_id for ev in events), "delivered")
         assert publisher.successes == Counter({ev.event_id: 1 for ev in events})
+
+    _run(scenario)
+
+
+def test_a_merged_finish_written_again_counts_a_failure_once() -> None:
+    """A full batch's decisions are held and written with the next, short batch's; by then the held
+    retry may be due. The transaction that writes them must not claim that row again: written and its
+    answer lost, the finish is written again next cycle, and a row claimed again by this owner
+    matches its guard (retry_count counted twice, a dead letter early)."""
+
+    async def scenario(db: Database) -> None:
+        publisher = CountingPublisher("im")
+        repo = FailingAroundCommit(SqlOutboxRepository(db))
+        worker = _worker(repo, publisher)
+        clock = cast(Clock, worker.clock)
+        events = _events(BATCH + 1)
+        await _insert(db, events, T0)
+        publisher.fail_next = 1  # the first row's one failure
+        assert await worker.run_once() == BATCH  # its retry decided and held; the last row claimed ahead
+        clock.advance(2_000)  # past the retry's 1 s backoff
+        repo.fail = "after"  # the merged finish (+ claim) commits, its answer lost
+        with contextlib.suppress(StoreUnavailable):
+            await worker.run_once()
+        await worker.run_once()  # writes it again, hands back what it held
+        for _ in range(3):
+            clock.advance(2_000)
+            await worker.run_once()
+        async with db.read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(t.room_outbox.c.retry_count, t.room_outbox.c.status).where(
+                        t.room_outbox.c.event_id == events[0].event_id
+                    )
+                )
+            ).one()
+        assert tuple(row) == (1, "delivered")
+        assert publisher.failures[events[0].event_id] == 1
+
+    _run(scenario)
+
+
+def test_a_held_finish_whose_claim_ahead_failed_stays_claimed_while_the_batch_publishes() -> None:
+    """The claim ahead that was to write the last batch's finish fails while this batch publishes
+    (a long time): the last batch's rows, published and their finish unwritten, are extended with
+    this batch's, so no other worker takes them over and publishes them again."""
+
+    async def scenario(db: Database) -> None:
+        gate, reached = asyncio.Event(), asyncio.Event()
+
+        class Slow(CountingPublisher):
+            async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+                if sum(self.successes.values()) == BATCH:  # the second batch's first row: hangs a while
+                    reached.set()
+                    await gate.wait()
+                await super().publish(event, payload=payload, deadline=deadline)
+
+        publisher = Slow("im")
+        repo = FailingAroundCommit(SqlOutboxRepository(db))
+        worker = _worker(repo, publisher, lock_timeout_s=0.3, publish_timeout_s=30)
+        clock = cast(Clock, worker.clock)
+        events = _events(3 * BATCH)
+        await _insert(db, events, T0)
+        assert await worker.run_once() == BATCH  # the first batch published, its finish held
+        repo.fail = "before"  # the claim ahead (with the first batch's finish) fails
+        second = asyncio.create_task(worker.run_once())
+        await asyncio.wait_for(reached.wait(), 10)
+        clock.advance(10_000)  # far past the first claim's lease
+
+        async def extended() -> None:  # the keeper (every lock_timeout / 3) has run since
+            assert worker.claims_extended >= 2
+
+        for _ in range(200):
+            with contextlib.suppress(AssertionError):
+                await extended()
+                break
+            await asyncio.sleep(0.01)
+        await extended()
+        taken = await SqlOutboxRepository(db).claim_due(owner="other", now_ms=clock.now_ms, lock_ms=30_000, limit=10)
+        gate.set()
+        with contextlib.suppress(StoreUnavailable):
+            await second
+        first = {ev.event_id for ev in events[:BATCH]}
+        assert not [r.event_id for r in taken if r.event_id in first]  # still ours: not published again
 
     _run(scenario)

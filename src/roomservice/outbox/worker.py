@@ -435,7 +435,8 @@ class OutboxWorker:
         self._unfinished = decided
         following: list[ClaimedRow] = []
         if ahead is not None:
-            failure = ahead.exception()
+            # cancelled on its own (not with this task): a failed cycle like any other, not the worker's end
+            failure = RuntimeError("the claim ahead was cancelled") if ahead.cancelled() else ahead.exception()
             if failure is not None:  # the next cycle writes both finishes, then hands every claim back
                 self._may_hold_claims = True
                 raise failure
@@ -514,15 +515,15 @@ class OutboxWorker:
         keeper: list[asyncio.Task[None]] = []
 
         def held() -> list[int]:
-            # this batch's rows; the rows claimed ahead, once claimed; the rows of the batch before,
-            # whose finish is held for this one's (no claim ahead to write it meanwhile)
+            # this batch's rows; the rows claimed ahead, once claimed; the rows of the batch before
+            # whose finish is not written yet: held for this one's, or the claim ahead that was to
+            # write it failed (extending a row finished meanwhile changes nothing: the write is guarded)
             ids = [r.id for r in rows]
-            if ahead is None:
-                last = self._unfinished
-                if last is not None:
-                    ids.extend(d.row_id for d in last.delivered)
-                    ids.extend(r.row_id for r in last.retries)
-            elif ahead.done() and not ahead.cancelled() and ahead.exception() is None:
+            last = self._unfinished
+            if last is not None:
+                ids.extend(d.row_id for d in last.delivered)
+                ids.extend(r.row_id for r in last.retries)
+            if ahead is not None and ahead.done() and not ahead.cancelled() and ahead.exception() is None:
                 ids.extend(r.id for r in self._carried or ())
             return ids
 
