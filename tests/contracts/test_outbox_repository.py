@@ -520,7 +520,9 @@ async def test_sqlite_claim_is_one_indexed_statement(sqlite_database: Database) 
     assert sql.startswith("UPDATE room_outbox")
     assert "RETURNING" in sql
     assert " OR " not in sql.upper()
-    params = compiled.construct_params({"b_limit": 10, "b_now": NOW, "b_owner": "w", "b_until": NOW + LOCK_MS})
+    params = compiled.construct_params(
+        {"b_limit": 10, "b_now": NOW, "b_due": NOW, "b_owner": "w", "b_until": NOW + LOCK_MS}
+    )
     assert compiled.positiontup is not None
     args = tuple(params[name] for name in compiled.positiontup)
     async with database.read() as conn:
@@ -564,6 +566,35 @@ async def test_finish_and_claim_finishes_then_claims_the_next_rows_in_one_transa
     assert (await fetch(database, first[0]))["status"] == "delivered"
     assert (await fetch(database, first[1]))["status"] == "retryable"
     assert [(await fetch(database, i))["status"] for i in later] == ["delivering", "delivering", "pending"]
+
+
+async def test_finish_and_claim_never_claims_a_row_it_finishes_even_when_its_retry_is_due(
+    database: Database, repo: SqlOutboxRepository
+) -> None:
+    # a retry decided a while ago (a finish held for the next batch's) may be due by the time it is
+    # written: claimed again by the same owner in the same transaction, the row would match this
+    # finish's guard when it is written again after a lost answer
+    first = await insert(database, pending(), pending())
+    await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=10)
+    retry = RetryDecision(first[0], "", failed=False, next_retry_at_ms=NOW + 1_000, last_error="boom")
+    older = await insert(database, retryable(NOW - 5_000))  # another row's retry, long due
+
+    changed, nxt = await repo.finish_and_claim(
+        owner="w",
+        now_ms=NOW + 2_000,  # past the retry's due time
+        delivered=[Delivered(first[1], "im")],
+        retries=[retry],
+        lock_ms=LOCK_MS,
+        limit=10,
+    )
+
+    assert changed == 2
+    assert [r.id for r in nxt] == older  # the other row's retry, not the one just written
+    finished = await fetch(database, first[0])
+    assert (finished["status"], finished["retry_count"]) == ("retryable", 1)
+    assert [r.id for r in await repo.claim_due(owner="w", now_ms=NOW + 2_000, lock_ms=LOCK_MS, limit=10)] == [
+        first[0]
+    ]  # the next claim takes it, due as it is
 
 
 async def test_finish_and_claim_is_all_or_nothing(database: Database, repo: SqlOutboxRepository) -> None:

@@ -62,9 +62,12 @@ class OutboxRepository(Protocol):
         """:meth:`finish` then :meth:`claim_due` in ONE transaction: (rows finished, rows claimed).
 
         The worker's next claim rides on its previous finish: one transaction a batch under
-        load instead of two. Both commit or neither does; the finished rows are no longer
-        ``delivering`` when the claim looks, so none of them is claimed again by it unless
-        it is due again (a retry without backoff).
+        load instead of two. Both commit or neither does; none of the rows it finishes is
+        claimed again by it, not even a retry already due (a finish decided a while ago, or
+        without backoff): retryable and expired rows are claimed only if due before the
+        earliest ``next_retry_at_ms`` written here. Claimed again by the same owner in the
+        same transaction, a row would match the guard of this finish written again after a
+        lost answer, and its failure would count twice.
         """
         ...
 

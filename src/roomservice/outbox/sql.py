@@ -98,7 +98,7 @@ def _mysql_claim_select(*, due: bool) -> Select[Any]:
     """Rows of one status (``b_status``), oldest ``due_at_ms`` first, locked, skipping locked ones."""
     where = [_c.status == bindparam("b_status")]
     if due:
-        where.append(_c.due_at_ms <= bindparam("b_now"))
+        where.append(_c.due_at_ms <= bindparam("b_due"))
     return (
         select(*_CLAIM_COLUMNS)
         .where(*where)
@@ -134,7 +134,7 @@ def _sqlite_claim_update() -> Any:
     def branch(priority: int, status: str, *, due: bool) -> Select[Any]:
         where = [_c.status == status]
         if due:
-            where.append(_c.due_at_ms <= bindparam("b_now"))
+            where.append(_c.due_at_ms <= bindparam("b_due"))
         # SQLite allows ORDER BY/LIMIT in a compound member only inside a subquery.
         inner = (
             select(_c.id.label("id"), literal_column(str(priority)).label("priority"), _c.due_at_ms.label("due"))
@@ -283,6 +283,8 @@ class SqlOutboxRepository:
         pending_only: bool = False,
     ) -> tuple[int, list[ClaimedRow]]:
         params = _claim_params(owner=owner, now_ms=now_ms, lock_ms=lock_ms, limit=limit)
+        if retries:  # none of the rows this transaction finishes is claimed again by it (see the port)
+            params["b_due"] = min(now_ms, *(r.next_retry_at_ms - 1 for r in retries))
         delivered_params, retry_params = _finish_params(owner, now_ms, delivered, retries)
         changed: int
         rows: Sequence[Any]
@@ -343,7 +345,9 @@ def _claim_params(*, owner: str, now_ms: int, lock_ms: int, limit: int) -> dict[
         raise ValueError("limit must be at least 1")
     if lock_ms < 1:
         raise ValueError("lock_ms must be at least 1")
-    return {"b_owner": owner, "b_now": now_ms, "b_until": now_ms + lock_ms, "b_limit": limit}
+    # b_due: retryable and expired rows due by then are claimable (now, unless a finish in the same
+    # transaction says otherwise: finish_and_claim)
+    return {"b_owner": owner, "b_now": now_ms, "b_due": now_ms, "b_until": now_ms + lock_ms, "b_limit": limit}
 
 
 def _claimed_rows(rows: Sequence[Any], *, owner: str, until: int) -> list[ClaimedRow]:
@@ -435,7 +439,7 @@ async def _claim_mysql(cur: DriverCursor, params: dict[str, Any], pending_only: 
         missing = limit - len(rows)
         if missing <= 0:
             break
-        rows.extend(await cur.rows(statement, {"b_status": status, "b_now": params["b_now"], "b_limit": missing}))
+        rows.extend(await cur.rows(statement, {"b_status": status, "b_due": params["b_due"], "b_limit": missing}))
     if rows:
         await cur.execute(_MYSQL_MARK_CLAIMED, {**params, "b_ids": [r[0] for r in rows]})
     return rows
