@@ -65,6 +65,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import nats
@@ -209,9 +210,11 @@ class _Group:
     ack_wait_s: float
     puller: _Puller
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Highest delivery count this process saw per stream sequence not yet settled: a
-    # guard against a count that went backwards (see _Puller); bounded.
-    seen: dict[int, int] = field(default_factory=dict)
+    # Highest delivery count this process saw per stream sequence not yet settled, with the
+    # message's stored time: a guard against a count that went backwards (see _Puller); bounded.
+    # (A stream recreated after a lost store numbers its messages from 1 again: a sequence seen
+    # with another stored time is another message, and counts afresh.)
+    seen: dict[int, tuple[datetime, int]] = field(default_factory=dict)
 
 
 class NatsBroker:
@@ -542,7 +545,7 @@ class NatsBroker:
                 except BrokerUnavailable:
                     await self._redeclare_if_lost(g, group)
                     raise
-                out = [d for d in [await self._admit(g, group, msg) for msg in msgs] if d is not None]
+                out = await self._admitted(g, group, msgs)
                 remaining = deadline - loop.time()
                 if out or remaining <= 0:
                     return out
@@ -564,6 +567,20 @@ class NatsBroker:
         except Exception:  # the server does not answer at all: nothing to repair from here
             return
 
+    async def _admitted(self, g: _Group, group: str, msgs: Sequence[Msg]) -> list[Delivery]:
+        """The deliveries among ``msgs``. One whose settling fails here (a dead letter not written, another
+        group's replay not acknowledged) stays out and comes back after the ack wait; the others go on."""
+        out: list[Delivery] = []
+        for msg in msgs:
+            try:
+                delivery = await self._admit(g, group, msg)
+            except Exception as exc:
+                _log.warning("broker_nats_admit_failed", group=group, error=repr(exc))
+                continue
+            if delivery is not None:
+                out.append(delivery)
+        return out
+
     async def _admit(self, g: _Group, group: str, msg: Msg) -> Delivery | None:
         """The delivery for ``msg``, or None when it is not this group's to see (after settling it)."""
         headers = msg.headers or {}
@@ -571,12 +588,14 @@ class NatsBroker:
         if replay_for is not None and replay_for != group:
             await self._settle(lambda: msg.ack_sync(timeout=self._op_timeout_s))  # another group's replay
             return None
-        seq = msg.metadata.sequence.stream
-        delivered = max(msg.metadata.num_delivered, g.seen.get(seq, 0) + 1)
+        md = msg.metadata
+        seq, stored = md.sequence.stream, md.timestamp
+        before = g.seen.get(seq)
+        delivered = md.num_delivered if before is None or before[0] != stored else max(md.num_delivered, before[1] + 1)
         if delivered > g.max_deliveries:  # the consumer crashed during its last delivery
             await self._bury(g, group, msg, "no ack after the last delivery", delivered - 1)
             return None
-        g.seen[seq] = delivered
+        g.seen[seq] = (stored, delivered)
         if len(g.seen) > _SEEN_LIMIT:
             del g.seen[next(iter(g.seen))]
         return self._delivery(g.topic, group, msg, delivered)
@@ -770,7 +789,17 @@ class NatsBroker:
         task = self._movers.get(topic)
         if task is not None and not task.done():
             return
-        config = api.ConsumerConfig(
+        puller = _Puller(self._nc, self.stream, _MOVER + topic)
+        with _mapped():
+            await self._js.add_consumer(self.stream, self._mover_config(topic))
+            await puller.start()
+        if topic in self._movers and not self._movers[topic].done():  # a concurrent declare won
+            await puller.stop()
+            return
+        self._movers[topic] = asyncio.create_task(self._move(topic, puller), name=f"nats-delay-mover:{topic}")
+
+    def _mover_config(self, topic: str) -> api.ConsumerConfig:
+        return api.ConsumerConfig(
             name=_MOVER + topic,
             durable_name=_MOVER + topic,
             description=f"roomservice delay mover of topic {topic}",
@@ -781,14 +810,20 @@ class NatsBroker:
             max_deliver=-1,
             max_ack_pending=-1,
         )
-        puller = _Puller(self._nc, self.stream, _MOVER + topic)
-        with _mapped():
-            await self._js.add_consumer(self.stream, config)
-            await puller.start()
-        if topic in self._movers and not self._movers[topic].done():  # a concurrent declare won
-            await puller.stop()
+
+    async def _restore_mover_if_lost(self, topic: str) -> None:
+        """After a failed pull: if the server lost the mover's consumer (a store wiped), create it again
+        (the loop's puller goes on with it: same name). Nothing else is repaired from here."""
+        if not self._nc.is_connected:
             return
-        self._movers[topic] = asyncio.create_task(self._move(topic, puller), name=f"nats-delay-mover:{topic}")
+        try:
+            await self._js.consumer_info(self.stream, _MOVER + topic)
+        except nats.js.errors.NotFoundError:
+            _log.warning("broker_nats_delay_mover_lost", topic=topic)
+            with contextlib.suppress(Exception):  # (the stream may not be back yet: the next failure tries again)
+                await self._js.add_consumer(self.stream, self._mover_config(topic))
+        except Exception:
+            return
 
     async def _move(self, topic: str, puller: _Puller) -> None:
         failures = 0
@@ -809,6 +844,7 @@ class NatsBroker:
                 failures += 1
                 if failures == 1 or failures % 50 == 0:
                     _log.warning("broker_delay_mover_failed", topic=topic, failures=failures, error=repr(exc))
+                await self._restore_mover_if_lost(topic)
                 await asyncio.sleep(min(5.0, 0.1 * 2 ** min(failures, 6)))
 
     async def _move_one(self, topic: str, msg: Msg) -> None:

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 from tests.contracts.brokers.base import (
     DEADLINE,
+    VIS,
     BrokerContract,
     DurableBrokerContract,
     eventually,
@@ -33,7 +34,7 @@ from tests.nats_server import OwnNatsServer, free_port
 
 from roomservice.brokers import nats as nats_adapter
 from roomservice.brokers.nats import H_DEAD_COUNT, H_DEAD_SEQ, NatsBroker, open_nats_broker
-from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable
+from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable, Delivery
 from roomservice.config import ConfigError, NatsConfig, settings_from_yaml
 
 SHARED_URL = "nats://127.0.0.1:4222"
@@ -150,6 +151,48 @@ class TestNatsBrokerRestart(DurableBrokerContract):
             return [d.key for d in got] == ["after"]
 
         await eventually(delivered)
+
+
+    async def test_after_a_store_loss_new_messages_count_afresh_and_delayed_ones_still_come(
+        self, broker: NatsBroker, topic: str
+    ) -> None:
+        """The recreated stream numbers its messages from 1 again: a new message must not inherit the
+        delivery count of the lost one with its sequence (on its last delivery, the new one was dead-lettered
+        unseen), and the topic's delay mover, whose consumer was lost too, must come back."""
+        group = unique("g")
+        await broker.declare_group(topic, group, max_deliveries=3)
+        await broker.publish(message(topic, "lost"), timeout_s=5)
+        for count in (1, 2, 3):  # delivered three times: the last one in flight when the store goes
+            got = await fetch_until(broker, topic, group)
+            assert (got.key, got.delivery_count) == ("lost", count)
+            if count < 3:
+                await broker.nack(got, delay_s=0)
+        self.server.kill()
+        shutil.rmtree(self.server.store)
+        self.server.start()
+        await _until_ready(broker)
+        await broker.publish(message(topic, "after"), timeout_s=5)
+
+        async def after() -> Delivery | None:
+            try:
+                got = await fetch(broker, topic, group, wait_s=0.3)
+            except BrokerUnavailable:  # the first pull finds the consumer gone and declares it again
+                return None
+            return got[0] if got else None
+
+        first = None
+        end = time.monotonic() + 10
+        while first is None and time.monotonic() < end:
+            first = await after()
+        assert first is not None and (first.key, first.delivery_count) == ("after", 1)
+        assert not await broker.dead_letters(group)
+        await broker.ack(first)
+
+        due_ms = int(time.time() * 1000) + 500
+        await broker.publish(message(topic, "delayed", deliver_at_ms=due_ms), timeout_s=5)
+        got = await fetch_until(broker, topic, group, deadline_s=15)
+        assert (got.key, got.delivery_count) == ("delayed", 1)
+        assert time.time() * 1000 >= due_ms - 50
 
 
 async def test_a_publish_while_the_server_is_down_fails_in_time_and_works_again_after_it_is_back(
@@ -322,9 +365,10 @@ async def test_a_delivery_count_that_went_back_counts_on(shared_broker: NatsBrok
     await shared_broker.declare_group(topic, group, max_deliveries=2)
     seq = await shared_broker.publish(message(topic), timeout_s=5)
     g = shared_broker._groups[group]
+    stored = time.time_ns()  # the message's stored time: the same in each of its deliveries
 
     def delivery(count: int, consumer_seq: int) -> Msg:
-        reply = f"$JS.ACK.{shared_broker.stream}.{group}.{count}.{seq}.{consumer_seq}.{time.time_ns()}.0"
+        reply = f"$JS.ACK.{shared_broker.stream}.{group}.{count}.{seq}.{consumer_seq}.{stored}.0"
         headers = {"Roomservice-Key": "k"}
         return Msg(shared_broker._nc, subject=shared_broker.subject(topic), reply=reply, data=b"x", headers=headers)
 
@@ -557,3 +601,41 @@ async def test_outstanding_sends_fail_when_the_server_stops_and_sending_works_ag
         assert info.state.messages == 1 + len(keys)
     finally:
         await broker.close()
+
+
+async def test_a_dead_letter_that_cannot_be_written_during_a_fetch_costs_the_others_nothing(
+    shared_broker: NatsBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch settles what it must not hand out (a message past its last delivery goes to the dead
+    letters); that write failing kept back every message of the pull, which came back a delivery older
+    without ever being handled. Only the one that failed stays out now."""
+    broker = shared_broker
+    topic, group = unique("topic"), unique("g")
+    await broker.declare_group(topic, group, max_deliveries=2)
+    await broker.publish(message(topic, "poison"), timeout_s=5)
+    for count in (1, 2):  # its last delivery never acknowledged (the consumer crashed)
+        got = await fetch_until(broker, topic, group)
+        assert (got.key, got.delivery_count) == ("poison", count)
+        await asyncio.sleep(VIS + 0.2)
+    for key in ("a", "b", "c"):
+        await broker.publish(message(topic, key), timeout_s=5)
+    publish = broker._publish
+    failures = [1]
+
+    async def dead_letters_down_once(subject: str, body: bytes, headers: dict[str, str], *, stream: str) -> str:
+        if stream == broker.dlq_stream and failures[0]:
+            failures[0] -= 1
+            raise BrokerUnavailable("the dead-letter write timed out")
+        return await publish(subject, body, headers, stream=stream)
+
+    monkeypatch.setattr(broker, "_publish", dead_letters_down_once)
+    got = await fetch(broker, topic, group, wait_s=2)
+    assert sorted((d.key, d.delivery_count) for d in got) == [("a", 1), ("b", 1), ("c", 1)]
+    for delivery in got:
+        await broker.ack(delivery)
+
+    async def buried() -> bool:  # the poison message comes back and is dead-lettered then
+        await fetch(broker, topic, group, wait_s=0.2)
+        return [d.key for d in await broker.dead_letters(group)] == ["poison"]
+
+    await eventually(buried)
