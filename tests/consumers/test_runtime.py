@@ -231,6 +231,32 @@ async def test_ordered_by_key_handles_one_rooms_deliveries_in_fetch_order_and_ro
     await runtime.shutdown(grace_s=1)
 
 
+async def test_deliveries_waiting_behind_their_room_do_not_come_back_meanwhile(broker: FakeBroker) -> None:
+    """ordered_by_key: a room's burst waits in line behind its first message, longer than a visibility
+    timeout when the target is slow (IM near its timeout, rate limited). A waiting delivery is touched, so
+    it neither comes back to be handled twice nor burns deliveries into a dead letter it never earned."""
+    calls: dict[str, int] = {}
+
+    class SlowTarget:
+        group, topic = GROUP, TOPIC
+
+        async def handle(self, delivery: Delivery) -> Outcome:
+            calls[delivery.key] = calls.get(delivery.key, 0) + 1
+            await asyncio.sleep(0.2)  # the target's own time, well under the 0.5 s visibility
+            return Outcome.APPLIED
+
+    runtime = ConsumerRuntime(broker, [(SlowTarget(), options(ordered_by_key=True))])
+    keys = [f"r1-{n}" for n in range(8)]  # 1.6 s of the room's work in line
+    for key in keys:
+        await broker.publish(OutgoingMessage(topic=TOPIC, body=b"x", key=key, sharding_key="r1"), timeout_s=1)
+    runtime.start()
+    await until(lambda: _lag(broker, 0), deadline_s=10)
+    assert calls == dict.fromkeys(keys, 1)
+    assert runtime.counts()[GROUP]["redelivered"] == 0
+    assert await broker.dead_letters(GROUP) == []
+    await runtime.shutdown(grace_s=1)
+
+
 async def test_lines_a_handler_logs_name_the_group_and_the_event(broker: FakeBroker) -> None:
     class Talkative:
         group, topic = GROUP, TOPIC

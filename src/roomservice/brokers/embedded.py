@@ -224,6 +224,7 @@ _CURRENT: Final = (
     _d.receipt == bindparam("b_receipt"),
 )
 _ACK: Final = delete(broker_delivery).where(*_CURRENT)
+_TOUCH: Final = update(broker_delivery).where(*_CURRENT).values(visible_at_ms=bindparam("b_visible"))
 # Only delivery_count is read, and no assignment changes it: safe on MySQL too.
 _NACK: Final = (
     update(broker_delivery)
@@ -464,6 +465,10 @@ class EmbeddedBroker:
         the others under way and queues them at once (``GroupOptions.ack_linger_s``). The future
         fails as :meth:`ack` does."""
         return relay(self._acks.submit_nowait(_Ack(_receipt_params(delivery))), _nothing, _unavailable)
+
+    async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
+        params = {**_receipt_params(delivery), "b_visible": self._clock() + max(0, round(visibility_s * 1000))}
+        await self._store(self.db.run_write(_execute, _TOUCH, params))
 
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         now = self._clock()

@@ -147,6 +147,12 @@ class FakeBroker:
         if found is not None:
             del found[0].entries[delivery.message_id]
 
+    async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
+        self._check()
+        found = self._current(delivery)
+        if found is not None:
+            found[1].visible_at = time.monotonic() + visibility_s
+
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         self._check()
         found = self._current(delivery)

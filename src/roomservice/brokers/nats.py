@@ -627,6 +627,12 @@ class NatsBroker:
         if g is not None:
             g.seen.pop(msg.metadata.sequence.stream, None)
 
+    async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
+        """Restarts the message's ack wait: the group's, which its fetch set to ``visibility_s``."""
+        msg = _receipt(delivery)
+        self._check_connected()
+        await self._settle(msg.in_progress)
+
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         msg = _receipt(delivery)
         self._check_connected()

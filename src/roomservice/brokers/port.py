@@ -130,6 +130,13 @@ class Broker(Protocol):
         """Deliver it again after ``delay_s``, or dead-letter it when it has had its last delivery."""
         ...
 
+    async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
+        """The consumer still holds ``delivery`` (it waits for its turn behind the same key's earlier
+        one, say): it does not come back for ``visibility_s`` more from now, the visibility its fetch
+        asked for (NATS restarts the group's ack wait, which the fetch set to it). A delivery acked
+        or redelivered since is left alone."""
+        ...
+
     async def dead_letters(self, group: str, *, limit: int = 100) -> Sequence[DeadLetter]:
         """The group's dead letters, oldest first."""
         ...

@@ -569,6 +569,13 @@ class RocketMQBroker:
         receipt = _receipt(delivery)
         await self._settle(receipt, lambda: receipt.consumer.ack(receipt.message))
 
+    async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
+        """ChangeInvisibleDuration (whole seconds, at least one); the client keeps the new receipt handle
+        on the message, which a later ack or nack then uses."""
+        receipt = _receipt(delivery)
+        seconds = int(min(self.max_invisible_s, max(1, math.ceil(visibility_s))))
+        await self._settle(receipt, lambda: receipt.consumer.change_invisible_duration(receipt.message, seconds))
+
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         g = self._group(delivery.group)
         if delivery.delivery_count >= g.max_deliveries:

@@ -223,7 +223,7 @@ class GroupRunner:
 
     async def _handle(self, delivery: Delivery, *, after: asyncio.Task[None] | None = None) -> None:
         if after is not None and not after.done():  # the same key's previous delivery goes first
-            await _finished(after)
+            await self._wait_for_turn(delivery, after)
         # every line a handler logs names the group and the event (the key is the event_id)
         named = _GROUP.set(self.group), _EVENT_ID.set(delivery.key)
         try:
@@ -231,6 +231,23 @@ class GroupRunner:
         finally:
             _EVENT_ID.reset(named[1])
             _GROUP.reset(named[0])
+
+    async def _wait_for_turn(self, delivery: Delivery, after: asyncio.Task[None]) -> None:
+        """Until ``after`` (the same key's previous delivery) is settled, touching ``delivery`` every half
+        visibility timeout: a room's burst behind a slow target waits longer than one, and a delivery
+        that came back meanwhile would be handled twice and count deliveries towards a dead letter."""
+        every_s = self.options.visibility_s / 2
+        while True:
+            try:
+                async with asyncio.timeout(every_s):
+                    await _finished(after)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.broker.touch(delivery, visibility_s=self.options.visibility_s)
+            except Exception as exc:  # it may come back, and is then handled again: a duplicate, deduplicated
+                _log.warning("consumer_touch_failed", group=self.group, key=delivery.key, error=repr(exc))
 
     async def _handle_bound(self, delivery: Delivery) -> None:
         group = self.group

@@ -155,6 +155,24 @@ class BrokerContract:
         again = await fetch_until(broker, topic, group)
         assert again.key == first.key and again.delivery_count == 2
 
+    async def test_a_touched_delivery_stays_invisible_until_its_touches_stop(self, broker: Broker, topic: str) -> None:
+        """A consumer that holds a delivery (waiting for its turn behind its room's earlier one) keeps it from
+        coming back, and from counting a delivery more, for as long as it touches it."""
+        group = unique("g")
+        await broker.declare_group(topic, group, max_deliveries=5)
+        await broker.publish(message(topic), timeout_s=5)
+        first = await fetch_until(broker, topic, group)
+        touched_for = time.monotonic() + 2.5 * VIS  # well past its own visibility timeout
+        while time.monotonic() < touched_for:
+            assert await fetch(broker, topic, group, wait_s=VIS / 3) == []  # not back
+            await broker.touch(first, visibility_s=VIS)
+        again = await fetch_until(broker, topic, group)  # back once the touches stop
+        assert again.key == first.key and again.delivery_count == 2
+        await broker.ack(again)
+        await broker.touch(first, visibility_s=VIS)  # a stale or settled delivery: nothing happens
+        await broker.touch(again, visibility_s=VIS)
+        assert await fetch(broker, topic, group, wait_s=VIS + 0.2) == []
+
     async def test_nack_redelivers_after_the_delay(self, broker: Broker, topic: str) -> None:
         group = unique("g")
         await broker.declare_group(topic, group, max_deliveries=5)
