@@ -597,6 +597,25 @@ async def test_finish_and_claim_never_claims_a_row_it_finishes_even_when_its_ret
     ]  # the next claim takes it, due as it is
 
 
+async def test_defer_puts_the_rooms_later_pending_rows_behind_the_deferred_ones(
+    database: Database, repo: SqlOutboxRepository
+) -> None:
+    busy = await insert(
+        database, *({**pending(T0 + n), "room_id": "busy", "room_version": n + 1} for n in range(12))
+    )
+    other = await insert(database, {**pending(T0 + 50), "room_id": "other"})
+    claimed = await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=6)
+    assert [r.id for r in claimed] == busy[:6]
+    untried = [r.id for r in claimed if r.room_version > 4]  # the lane stopped after version 4
+    assert await repo.defer(owner="w", row_ids=untried, now_ms=NOW + 1) == 2
+
+    nxt = await repo.claim_due(owner="w", now_ms=NOW + 2, lock_ms=LOCK_MS, limit=3)
+    # the other room's row (due before the deferral), then the busy room from version 5 on, not 7
+    assert {r.id for r in nxt} == {*other, busy[4], busy[5]}
+    later = [await fetch(database, i) for i in busy[6:]]
+    assert [r["due_at_ms"] for r in later] == [NOW + 1] * 6  # behind the deferred rows, by id
+
+
 async def test_finish_and_claim_is_all_or_nothing(database: Database, repo: SqlOutboxRepository) -> None:
     (row_id,) = await insert(database, pending())
     await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=10)

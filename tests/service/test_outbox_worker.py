@@ -404,6 +404,23 @@ async def test_a_busy_room_cannot_starve_the_others(
     assert (await row(database, quiet.event_id)).status == "delivered"
 
 
+async def test_a_busy_rooms_rows_sent_to_the_back_of_the_queue_keep_their_order(
+    database: Database, make_worker: WorkerFactory, clock: Clock, im: FakePublisher
+) -> None:
+    """The rows a busy room's lane never reached go to the back of the queue, and the room's later rows
+    (pending, or already claimed ahead) behind them: its rows are still published in version order."""
+    busy = [make_event(JOINED, room="busy", version=n + 1) for n in range(60)]
+    await insert_rows(database, *busy)
+    worker = make_worker(batch_size=20, lane_budget_s=0.0)  # MAX_ROOM_LANE rows a batch, the rest deferred
+    for _ in range(40):
+        if len(im.delivered) == len(busy):
+            break
+        clock.advance(1)
+        await worker.run_once()
+    versions = {ev.event_id: ev.room_version for ev in busy}
+    assert [versions[event_id] for event_id in im.delivered] == list(range(1, 61))  # each once, in order
+
+
 async def test_one_busy_room_drains_without_a_cycle_per_lane(
     database: Database, make_worker: WorkerFactory, im: FakePublisher
 ) -> None:

@@ -82,7 +82,9 @@ class OutboxRepository(Protocol):
         ...
 
     async def defer(self, *, owner: str, row_ids: list[int], now_ms: int) -> int:
-        """Hand claimed, never-attempted rows back behind the rest of the queue (due now)."""
+        """Hand claimed, never-attempted rows back behind the rest of the queue (due now); their rooms'
+        later pending rows go behind them too (due now, after them by id), so that a room's rows are
+        still claimed in order. Returns the claimed rows handed back."""
         ...
 
     async def delete_delivered(self, *, before_ms: int, limit: int) -> int:

@@ -217,6 +217,24 @@ _DEFER: Final = (
     .where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS)
     .values({**_RELEASE_VALUES, "due_at_ms": bindparam("b_now")})
 )
+# ... and each deferred room's first deferred version, then its later pending rows behind them: claims
+# take the oldest due_at_ms first (ties by id, the status index's order), so the room stays in order.
+_DEFERRED_ROOMS: Final = (
+    select(_c.app_code, _c.room_id, func.min(_c.room_version))
+    .where(_c.id.in_(bindparam("b_ids", expanding=True)), _IS_OURS)
+    .group_by(_c.app_code, _c.room_id)
+)
+_BEHIND_DEFERRED: Final = (
+    update(_o)
+    .where(
+        _c.status == _PENDING,
+        _c.app_code == bindparam("b_app"),
+        _c.room_id == bindparam("b_room"),
+        _c.room_version > bindparam("b_version"),
+        _c.due_at_ms < bindparam("b_now"),
+    )
+    .values(due_at_ms=bindparam("b_now"), updated_at_ms=bindparam("b_now"))
+)
 
 # --------------------------------------------------------------------------- retention
 # Delivered rows by the (status, delivered_at_ms) index, oldest delivery first;
@@ -324,7 +342,7 @@ class SqlOutboxRepository:
         if not row_ids:
             return 0
         params = {"b_owner": owner, "b_now": now_ms, "b_ids": list(row_ids)}
-        return await self.db.run_write(_rowcount, _DEFER, params)
+        return await self.db.run_write(_defer, params)
 
     async def delete_delivered(self, *, before_ms: int, limit: int) -> int:
         if limit < 1:
@@ -491,6 +509,15 @@ def _finish_then_claim_sqlite(
 ) -> tuple[int, list[tuple[Any, ...]]]:
     cur = SqliteCursor(conn)
     return _finish_on(cur, delivered, retries), cur.rows(SQLITE_CLAIM, params)
+
+
+def _defer(conn: Connection, params: dict[str, Any]) -> int:
+    rooms = conn.execute(_DEFERRED_ROOMS, params).all()
+    deferred = int(conn.execute(_DEFER, params).rowcount)
+    now = params["b_now"]
+    for app_code, room_id, version in rooms:
+        conn.execute(_BEHIND_DEFERRED, {"b_app": app_code, "b_room": room_id, "b_version": version, "b_now": now})
+    return deferred
 
 
 def _rowcount(conn: Connection, statement: Any, params: dict[str, Any]) -> int:

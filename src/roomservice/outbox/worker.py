@@ -443,6 +443,10 @@ class OutboxWorker:
             following, self._carried = self._carried or [], None
         if untried:  # never attempted: to the back of the queue, behind the other rooms' rows
             self._may_hold_claims = True
+            if following:  # the same rooms' rows claimed ahead go back with them: a room's rows stay in order
+                rooms = {(r.app_code, r.room_id) for r in untried}
+                untried.extend(r for r in following if (r.app_code, r.room_id) in rooms)
+                following = [r for r in following if (r.app_code, r.room_id) not in rooms]
             await self.repository.defer(owner=self.owner, row_ids=[r.id for r in untried], now_ms=self.clock())
             self._deferred = True
         if following:  # the next batch is in hand: this finish rides with the claim after it
