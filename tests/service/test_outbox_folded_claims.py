@@ -509,3 +509,38 @@ def test_a_held_finish_whose_claim_ahead_failed_stays_claimed_while_the_batch_pu
         assert not [r.event_id for r in taken if r.event_id in first]  # still ours: not published again
 
     _run(scenario)
+
+
+def test_a_shutdown_past_its_grace_hands_back_only_the_rows_not_delivered() -> None:
+    """A batch cancelled by a shutdown whose grace ran out: the rows it had delivered are written as
+    delivered, not handed back with the rest and published again after a restart."""
+
+    async def scenario(db: Database) -> None:
+        gate = asyncio.Event()
+
+        class OneRoomHangs(CountingPublisher):
+            async def publish(self, event: Event, *, payload: bytes, deadline: float) -> None:
+                if event.room_id == "r1":
+                    await gate.wait()
+                await super().publish(event, payload=payload, deadline=deadline)
+
+        publisher = OneRoomHangs("im")
+        worker = _worker(SqlOutboxRepository(db), publisher, publish_timeout_s=30)
+        events = _events(2)  # r0 goes out at once, r1 hangs
+        await _insert(db, events, T0)
+        worker.start()
+        for _ in range(500):
+            if publisher.successes:
+                break
+            await asyncio.sleep(0.01)
+        assert publisher.successes == Counter({events[0].event_id: 1})
+        await worker.shutdown(grace_s=0.1)
+        assert await _statuses(db) == {events[0].event_id: "delivered", events[1].event_id: "pending"}
+
+        gate.set()
+        restarted = _worker(SqlOutboxRepository(db), publisher)
+        await restarted.run_once()
+        assert publisher.successes == Counter(dict.fromkeys((ev.event_id for ev in events), 1))  # r0 once
+        assert await _statuses(db) == dict.fromkeys((ev.event_id for ev in events), "delivered")
+
+    _run(scenario)

@@ -415,8 +415,9 @@ class OutboxWorker:
             held = self._unfinished or _Finish(self.clock(), [], [])
             ahead = asyncio.create_task(self._finish(held, ahead=True), name=f"outbox-claim-ahead-{self.owner}")
         untried: list[ClaimedRow] = []
+        ended: list[list[Outcome]] = []  # the attempts that ended, filled as they do (by room)
         try:
-            outcomes = await self._publish_batch(rows, untried, ahead)
+            outcomes = await self._publish_batch(rows, untried, ahead, ended)
             if ahead is not None:
                 await asyncio.wait({ahead})
         except BaseException:
@@ -426,6 +427,7 @@ class OutboxWorker:
                     ahead.exception()  # retrieved: the held finish stays unwritten if it failed
                 self._carried = None
                 self._may_hold_claims = True
+            self._keep_ended(ended)
             raise
         decided = self._decide(outcomes)
         if self._unfinished is not None:  # the last batch's, held back and not written ahead: one write
@@ -460,12 +462,30 @@ class OutboxWorker:
         await self._finish(decided)
         return len(rows)
 
+    def _keep_ended(self, ended: list[list[Outcome]]) -> None:
+        """A batch cut short (cancelled by a shutdown past its grace, or failed): the rows it delivered
+        are decided and held as unwritten, as a finish that failed is. Its next write (the shutdown's, or
+        the next cycle's before its claims go back) keeps them from being handed back and published
+        again. The others go back as before, uncounted: an attempt the cut ended is no failure of its
+        target."""
+        partial = [outcome for outcomes in ended for outcome in outcomes if outcome.delivered]
+        if not partial:
+            return
+        decided = self._decide(partial)
+        self._unfinished = decided if self._unfinished is None else self._unfinished.merged(decided)
+        self._may_hold_claims = True
+
     async def _publish_batch(
-        self, rows: list[ClaimedRow], untried: list[ClaimedRow], ahead: asyncio.Task[None] | None
+        self,
+        rows: list[ClaimedRow],
+        untried: list[ClaimedRow],
+        ahead: asyncio.Task[None] | None,
+        per_room: list[list[Outcome]],
     ) -> list[Outcome]:
         """Publish a batch: rooms in parallel, each room's rows in version order. Rows a busy
         room's lane never reached go to ``untried``. ``ahead``: the claim of the next batch,
-        whose rows the lease keeper extends too once it has them."""
+        whose rows the lease keeper extends too once it has them. ``per_room``: each room's (or
+        the pipeline's) outcomes, a list added when it starts and filled as its attempts end."""
         # Rooms in parallel, each room's rows in version order: an IM group is created
         # before it gets messages and destroyed after them, as the room lived it.
         semaphore = Slots(self.options.publish_concurrency)
@@ -486,10 +506,11 @@ class OutboxWorker:
             else:
                 plain.append(room_rows)
 
-        async def lane(room_rows: list[ClaimedRow]) -> list[Outcome]:
+        async def lane(room_rows: list[ClaimedRow]) -> None:
             # a busy room's backlog must not hold the batch: past MAX_ROOM_LANE rows the lane
             # stops once the batch is lane_budget_s old
             outcomes: list[Outcome] = []
+            per_room.append(outcomes)
             for n, row in enumerate(room_rows):
                 if n >= MAX_ROOM_LANE and time.monotonic() - started >= budget:
                     untried.extend(room_rows[n:])
@@ -500,9 +521,8 @@ class OutboxWorker:
                     outcomes.append(await self.deliver(row))
                 finally:
                     semaphore.give()
-            return outcomes
 
-        async def pipeline() -> list[Outcome]:
+        async def pipeline() -> None:
             # round robin over the rooms: every room's first row, then every second row...; the
             # rows of one room keep their order, and past MAX_ROOM_LANE rows a room's backlog
             # waits for a later batch as a lane's does
@@ -512,7 +532,9 @@ class OutboxWorker:
                 for room_rows in piped
                 if depth < len(room_rows)
             ]
-            return await _Pipeline(self, semaphore, _Turns(ahead)).run(order, started, untried)
+            sender = _Pipeline(self, semaphore, _Turns(ahead))
+            per_room.append(sender.outcomes)
+            await sender.run(order, started, untried)
 
         # the claims are extended only by a batch that outlives a third of the lease: no task
         # of its own for the others (almost all), only a timer
@@ -544,17 +566,12 @@ class OutboxWorker:
                 # 1.2 ms a batch against 8-11 ms for the finish + claim; drain ÷ bare, ten rounds
                 # each, direct shape median 0.92 -> 0.98x; two workers overlap each other anyway: no change)
                 await asyncio.sleep(0)
-            per_room: list[list[Outcome]] = []
             if not plain:
-                per_room.append(await pipeline())
+                await pipeline()
             else:  # (the first lane runner runs in this task: one room makes no task of its own)
-                lanes_run = _run_lanes(plain, lane, self.options.publish_concurrency, per_room)
+                lanes_run = _run_lanes(plain, lane, self.options.publish_concurrency)
                 if piped:
-
-                    async def piper() -> None:
-                        per_room.append(await pipeline())
-
-                    await asyncio.gather(lanes_run, piper())
+                    await asyncio.gather(lanes_run, pipeline())
                 else:
                     await lanes_run
         finally:
@@ -886,9 +903,8 @@ class OutboxWorker:
 
 async def _run_lanes(
     lanes: list[list[ClaimedRow]],
-    lane: Callable[[list[ClaimedRow]], Awaitable[list[Outcome]]],
+    lane: Callable[[list[ClaimedRow]], Awaitable[None]],
     concurrency: int,
-    per_room: list[list[Outcome]],
 ) -> None:
     """Publish ``lanes`` (rooms, each row after row) with at most ``concurrency`` runners taking
     them in turn (a task per runner, not per room): at most that many rows are attempted at once
@@ -913,7 +929,7 @@ async def _run_lanes(
         while taken < len(lanes):
             room_rows = lanes[taken]
             taken += 1
-            per_room.append(await lane(room_rows))
+            await lane(room_rows)
 
     try:
         await runner()
