@@ -185,14 +185,14 @@ class RoomService:
         for _attempt in range(3):
             cell = await self._cell(app_code, room_id)
             timing.lease_ms += watch.lap()
-            try:
-                async with cell.turn():
-                    if cell.retired:  # evicted or fenced while we queued: take the fresh cell
-                        continue
+            async with cell.turn():
+                if cell.retired:  # evicted or fenced while we queued: take the fresh cell
+                    continue
+                try:
                     return await self._run_turn(cell, command_id, command, timing, watch)
-            finally:
-                if cell.state is None and not cell.retired:  # no such room: keep no cell for it
-                    await self.registry.retire(cell)
+                finally:  # (the turn's holder only: one still queued, a CreateRoom ahead of it, knows nothing yet)
+                    if cell.state is None and not cell.retired:  # no such room: keep no cell for it
+                        await self.registry.retire(cell)
         raise errors.Retry("room kept moving; retry")
 
     async def _run_turn(

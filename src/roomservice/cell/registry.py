@@ -22,7 +22,10 @@ class CellRegistry:
     """The active cells of this process, one per room.
 
     Loading is single-flight: concurrent first commands on a room share one
-    load. Loading takes the lease first, then bumps the durable fencing epoch,
+    load, a task of its own that each of them awaits (shielded: a caller that
+    goes away, a client gone or a forwarded call's deadline, takes no other
+    caller with it; the cell it loaded stays, for the next command or the idle
+    sweep). Loading takes the lease first, then bumps the durable fencing epoch,
     then reads snapshot + log — in that order, so a cell never works with an
     epoch older than the state it loaded.
     """
@@ -32,7 +35,7 @@ class CellRegistry:
         self.leases = leases
         self._idle_after_s = idle_after_s
         self._cells: dict[Key, RoomCell] = {}
-        self._loading: dict[Key, asyncio.Future[RoomCell]] = {}
+        self._loading: dict[Key, asyncio.Task[RoomCell]] = {}
         self._releasing: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -46,21 +49,21 @@ class CellRegistry:
         cell = self._cells.get(key)
         if cell is not None:
             return cell
-        pending = self._loading.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[RoomCell] = asyncio.get_running_loop().create_future()
-        self._loading[key] = future
+        loading = self._loading.get(key)
+        if loading is None:
+            loading = self._loading[key] = asyncio.get_running_loop().create_task(
+                self._load_as(key), name=f"room-load:{app_code}/{room_id}"
+            )
+            loading.add_done_callback(_retrieved)
+        return await asyncio.shield(loading)
+
+    async def _load_as(self, key: Key) -> RoomCell:
+        """The load of ``key``'s cell, registered once loaded."""
         try:
-            cell = await self._load(app_code, room_id)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters (if any) re-raise it themselves
-            raise
+            cell = await self._load(*key)
         finally:
             del self._loading[key]
         self._cells[key] = cell
-        future.set_result(cell)
         return cell
 
     async def _load(self, app_code: str, room_id: str) -> RoomCell:
@@ -97,15 +100,15 @@ class CellRegistry:
         """Hold the room's turn, as a command does: nothing else runs on the room meanwhile."""
         for _attempt in range(3):
             cell = await self.cell(app_code, room_id)
-            try:
-                async with cell.turn():
-                    if cell.retired:  # replaced while we queued: take the fresh one
-                        continue
+            async with cell.turn():
+                if cell.retired:  # replaced while we queued: take the fresh one
+                    continue
+                try:
                     yield
                     return
-            finally:
-                if cell.state is None and not cell.retired:
-                    await self.retire(cell)
+                finally:  # (only the turn's holder: one still queued knows nothing of the room yet)
+                    if cell.state is None and not cell.retired:
+                        await self.retire(cell)
         raise LeaseUnavailable(f"{app_code}/{room_id} kept moving")
 
     async def on_lease_lost(self, app_code: str, room_id: str) -> None:
@@ -129,11 +132,16 @@ class CellRegistry:
         """Retire cells unused for ``idle_after_s``; returns how many went."""
         deadline = time.monotonic() - self._idle_after_s
         idle = [c for c in self._cells.values() if c.last_used < deadline and not c.busy]
+        evicted = 0
         for cell in idle:
+            # looked at again: each release before it awaited, and a command may have begun on it meanwhile
+            if cell.retired or cell.busy or cell.last_used >= deadline:
+                continue
             await self.retire(cell)
-        if idle:
-            _log.info("cells_evicted", count=len(idle), active=len(self._cells))
-        return len(idle)
+            evicted += 1
+        if evicted:
+            _log.info("cells_evicted", count=evicted, active=len(self._cells))
+        return evicted
 
     async def run_eviction(self, *, interval_s: float) -> None:
         while True:
@@ -144,5 +152,15 @@ class CellRegistry:
                 _log.exception("cell_eviction_failed")
 
     async def close(self) -> None:
+        loading = list(self._loading.values())
+        for task in loading:  # a load nobody awaits any more must not register a cell after this
+            task.cancel()
+        await asyncio.gather(*loading, return_exceptions=True)
         for cell in list(self._cells.values()):
             await self.retire(cell)
+
+
+def _retrieved(task: asyncio.Task[RoomCell]) -> None:
+    """A load's failure is its callers' to raise; with none left (all went away), it is not left unretrieved."""
+    if not task.cancelled():
+        task.exception()
