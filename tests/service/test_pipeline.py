@@ -188,6 +188,25 @@ async def test_reconciliation_refunds_orphan_debits_only(
         assert (await rt.reconciler.run_once()).checked == 0
 
 
+async def test_a_debit_whose_command_id_another_command_took_is_refunded(
+    runtime_factory: RuntimeFactory, wallet: FakeWallet, clock: Clock
+) -> None:
+    """A gift's outcome unknown (its debit went out, the answer did not come back), the client sends
+    another command under the same id. It commits; the gift never did: the debit is refunded, not
+    counted as the gift's (found by review)."""
+    async with runtime_factory(**{"wallet.reconcile_after": "10m"}) as rt:
+        await open_room(rt, "r1", "bob")
+        wallet.fail_after_debit = True
+        with pytest.raises(errors.Unavailable):
+            await run(rt, "r1", "reused", c.SendGift(sender_id="bob", receiver_id="owner", gift_id="rose", count=1))
+        wallet.fail_after_debit = False
+        await run(rt, "r1", "reused", c.TakeMic(user_id="bob", seat=1))  # the id, now for something else
+        clock.advance(11 * 60_000)
+        report = await rt.reconciler.run_once()
+        assert (report.checked, report.claimed, report.refunded) == (1, 0, 1)
+        assert wallet.balances[(APP, "bob")] == 10_000
+
+
 async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Process) -> None:
     await open_room(runtime)
     bodies = await asyncio.gather(*(run(runtime, "r1", f"join-{i}", c.JoinRoom(user_id=f"user{i}")) for i in range(50)))

@@ -128,6 +128,7 @@ class LoggedCommand:
     fingerprint: str
     response: dict[str, Any]
     version: int
+    command_type: str | None = None  # as logged (the store's look-up says; a cell's memory need not)
 
 
 @dataclass(frozen=True, slots=True)

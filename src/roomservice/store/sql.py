@@ -175,7 +175,9 @@ _INSERT_OUTBOX: Final = insert(_outbox)
 _BUMP_EPOCH: Final = update(_meta).where(_IS_ROOM_META).values(lease_epoch=_meta.c.lease_epoch + literal_column("1"))
 _SELECT_EPOCH: Final = select(_meta.c.lease_epoch).where(_IS_ROOM_META)
 
-_FIND_COMMAND: Final = select(_log.c.command_id, _log.c.fingerprint, _log.c.response, _log.c.version).where(
+_FIND_COMMAND: Final = select(
+    _log.c.command_id, _log.c.fingerprint, _log.c.response, _log.c.version, _log.c.command_type
+).where(
     _log.c.app_code == bindparam("app_code"),
     _log.c.room_id == bindparam("room_id"),
     _log.c.command_id == bindparam("command_id"),
@@ -301,10 +303,8 @@ class SqlRoomStore:
         rows = await run_reads(self.db, _rows_of, _FIND_COMMAND, params)
         if not rows:
             return None
-        command_id_, fingerprint_, response, version = rows[0]
-        return LoggedCommand(
-            command_id=command_id_, fingerprint=fingerprint_, response=orjson.loads(response), version=version
-        )
+        command_id_, fingerprint_, response, version, command_type = rows[0]
+        return LoggedCommand(command_id_, fingerprint_, orjson.loads(response), version, command_type)
 
     async def take_lease_epoch(self, app_code: str, room_id: str) -> int:
         return await run_writes(self.db, _take_lease_epoch, {"b_app_code": app_code, "b_room_id": room_id})

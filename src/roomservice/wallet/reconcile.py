@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
+from roomservice.domain.commands import SendGift
 from roomservice.errors import Retry, Unavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import RoomStore
@@ -70,7 +71,10 @@ class Reconciler:
         for entry in entries:
             try:
                 async with self._room_turn(entry.app_code, entry.room_id):
-                    if await self._store.find_command(entry.app_code, entry.room_id, entry.command_id) is not None:
+                    logged = await self._store.find_command(entry.app_code, entry.room_id, entry.command_id)
+                    # the gift itself committed; not another command a client sent under its id after the
+                    # gift's outcome was unknown (that one paid nothing: the debit is refunded)
+                    if logged is not None and logged.command_type in (None, SendGift.name):
                         claimed += 1
                     else:
                         debit = await self._wallet.refund(entry.debit_key)
