@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -20,7 +21,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 from tests.api.conftest import ADMIN_TOKEN
-from tests.service.conftest import Clock, make_settings
+from tests.service.conftest import T0, Clock, make_settings
 
 from roomservice import errors
 from roomservice.api import grpc as room_grpc
@@ -28,8 +29,13 @@ from roomservice.api.app import ApiContext, create_app
 from roomservice.api.errors import HTTP_STATUS
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.domain import commands as c
+from roomservice.domain.events import Event, RoomTreasureCountdownStarted
+from roomservice.forwarding import HOP_KEY, SECRET_KEY, Forwarder
+from roomservice.leases.port import LeaseOwner
 from roomservice.proto import room_api_pb2 as pb
 from roomservice.proto import room_api_pb2_grpc as pb_grpc
+from roomservice.service import RoomService
+from roomservice.timers.treasure import DatabaseTreasureTimer, FireReport
 from roomservice.wallet.fake import FakeWallet
 
 BASE = "/v1/apps/demo/rooms"
@@ -51,10 +57,15 @@ async def wallet() -> FakeWallet:
     return FakeWallet(starting_balance=10_000)
 
 
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
 @pytest_asyncio.fixture
-async def process(tmp_path: Path, wallet: FakeWallet) -> AsyncIterator[Process]:
+async def process(tmp_path: Path, wallet: FakeWallet, clock: Clock) -> AsyncIterator[Process]:
     settings = make_settings(f"sqlite+aiosqlite:///{tmp_path}/room.db", tmp_path)
-    async with Process.running(settings, clock=Clock(), wallet=wallet, roles=(API, MAINTENANCE), loops=False) as rt:
+    async with Process.running(settings, clock=clock, wallet=wallet, roles=(API, MAINTENANCE), loops=False) as rt:
         yield rt
 
 
@@ -378,8 +389,188 @@ async def test_forwarding_helpers_round_trip_commands_and_errors(faces: Faces) -
         )
     error = room_grpc.error_of(caught.value)
     assert type(error) is errors.InvalidArgument and "count" in error.message
-    with pytest.raises(ValueError, match="OpenTreasure"):
-        room_grpc.request_of("demo", "r1", "t", c.OpenTreasure(box_id="b", level=1, open_at_ms=1))
+
+
+# --------------------------------------------------------------------------- OpenTreasure, the peers' rpc
+
+SECRET = "s3cret"
+
+
+@dataclass
+class _HeldBy:
+    """The lease store as seen from a process that does not hold the room: the owner at ``address`` holds it."""
+
+    address: str
+    owner: str = "A"
+
+    async def owner_of(self, app_code: str, room_id: str) -> LeaseOwner:
+        return LeaseOwner("B", self.address, "token")
+
+
+class _HoldsNothing:
+    """The room service of that process: no cell here, so every command must cross the hop."""
+
+    def __init__(self) -> None:
+        self.registry = self
+
+    def peek(self, app_code: str, room_id: str) -> None:
+        return None
+
+    async def execute(self, *args: Any) -> dict[str, Any]:
+        raise AssertionError(f"ran in the process that does not hold the room: {args}")
+
+
+@pytest_asyncio.fixture
+async def peer(process: Process) -> AsyncIterator[Forwarder]:
+    """The forwarder of another process, for which ``process`` holds every room.
+
+    ``process`` serves the room API as in production: through its own forwarder's servicer, which
+    checks the peers' shared secret of a hop and then runs the command itself.
+    """
+    owner = Forwarder(process.service, shared_secret=SECRET)
+    api = await room_grpc.start_room_api(process.service, servicer=owner.servicer())
+    held_by = cast(Any, _HeldBy(api.target))
+    fwd = Forwarder(cast(RoomService, _HoldsNothing()), leases=held_by, shared_secret=SECRET, timeout_s=5.0)
+    try:
+        yield fwd
+    finally:
+        await fwd.aclose()
+        await api.stop(0)
+        await owner.aclose()
+
+
+async def _counting_down(faces: Faces, room_id: str) -> tuple[str, c.OpenTreasure]:
+    """A room whose level-1 box counts down: the wake-up's command_id and command, as the timer sends them."""
+    await _grpc(faces, "CreateRoom", room_id, {"command_id": "c1", "owner_id": "alice", "title": "x"})
+    await _grpc(faces, "JoinRoom", room_id, {"command_id": "j1", "user_id": "bob"})
+    rules = faces.process.service.rules
+    count = -(-rules.treasure_levels[0] // rules.gifts["rocket"].price)
+    gift = {"command_id": "g1", "sender_id": "bob", "receiver_id": "alice", "gift_id": "rocket", "count": count}
+    treasure = room_grpc.body_of(await _grpc(faces, "SendGift", room_id, gift))["room"]["treasure"]
+    assert treasure["state"] == "counting_down" and treasure["open_at_ms"] > T0
+    wake = c.OpenTreasure(box_id=treasure["box_id"], level=1, open_at_ms=treasure["open_at_ms"])
+    return c.treasure_open_command_id(wake.box_id), wake
+
+
+async def test_open_treasure_forwarded_to_the_owner_opens_the_box_as_a_local_execute_would(
+    faces: Faces, peer: Forwarder, clock: Clock
+) -> None:
+    command_id, wake = await _counting_down(faces, "r1")
+    rpc, request = room_grpc.request_of("demo", "r1", command_id, wake)
+    assert rpc == "OpenTreasure"
+    assert request == pb.OpenTreasureRequest(
+        app_code="demo", room_id="r1", command_id=command_id, box_id=wake.box_id, level=1, open_at_ms=wake.open_at_ms
+    )
+    clock.now_ms = wake.open_at_ms
+    with capture_logs() as logs:
+        body = await peer.execute("demo", "r1", command_id, wake)
+    assert peer.forwarded == 1
+    assert [e["type"] for e in body["events"]] == ["RoomTreasureOpened"] and body["replayed"] is False
+    assert body["room"]["treasure"]["box_id"] is None and body["room"]["treasure"]["level"] == 1
+    [timing] = [e for e in logs if e["event"] == "room_command_timing"]
+    assert (timing["command"], timing["command_id"], timing["result"]) == ("OpenTreasure", command_id, "ok")
+    # the owner answered what its own pipeline answers (here a replay of the same command_id)
+    assert body == await faces.process.service.execute("demo", "r1", command_id, wake) | {"replayed": False}
+    # a second wake-up (a timer fired twice, a redelivery) is a replay across the hop too: the box opens once
+    assert await peer.execute("demo", "r1", command_id, wake) == {**body, "replayed": True}
+
+
+async def test_a_too_early_open_treasure_comes_back_with_the_owners_open_at_ms(
+    faces: Faces, peer: Forwarder, clock: Clock
+) -> None:
+    command_id, wake = await _counting_down(faces, "r1")
+    clock.now_ms = wake.open_at_ms - 1
+    with pytest.raises(errors.TreasureTooEarly) as caught:
+        await peer.execute("demo", "r1", command_id, wake)
+    assert caught.value.open_at_ms == wake.open_at_ms
+    assert caught.value.message == errors.TreasureTooEarly.default_message
+
+    # on the wire: FAILED_PRECONDITION too_early, the box's open_at_ms in the trailing metadata
+    _, request = room_grpc.request_of("demo", "r1", command_id, wake)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await faces.stub.OpenTreasure(request)
+    assert _refusal(refused.value) == (S.FAILED_PRECONDITION, "too_early")
+    assert dict(refused.value.trailing_metadata())[room_grpc.OPEN_AT_KEY] == str(wake.open_at_ms)
+    view = room_grpc.to_dict(await faces.stub.GetRoom(pb.GetRoomRequest(app_code="demo", room_id="r1")))
+    assert view["treasure"]["state"] == "counting_down"
+
+    # a too_early without a readable open_at_ms is never dropped as permanent: the caller backs off
+    for trailing in [(), ((room_grpc.OPEN_AT_KEY, "soon"),), ((room_grpc.OPEN_AT_KEY, "-5"),)]:
+        metadata = grpc.aio.Metadata((room_grpc.ERROR_CODE_KEY, "too_early"), *trailing)
+        error = room_grpc.error_of(grpc.aio.AioRpcError(S.FAILED_PRECONDITION, grpc.aio.Metadata(), metadata, "x"))
+        assert type(error) is errors.Retry and error.retryable
+
+
+async def test_the_durable_timer_of_a_process_without_the_room_opens_it_at_the_owner(
+    faces: Faces, peer: Forwarder, process: Process, clock: Clock
+) -> None:
+    """The bug this rpc fixes: the wake-up used to fail before the hop and back off forever."""
+    command_id, wake = await _counting_down(faces, "r1")
+    countdown = RoomTreasureCountdownStarted(
+        box_id=wake.box_id, level=wake.level, open_at_ms=wake.open_at_ms, open_command_id=command_id
+    )
+    event = Event(event_id="e1", app_code="demo", room_id="r1", room_version=3, occurred_at_ms=T0, payload=countdown)
+    # the other process's clock runs 2 s ahead of the owner's: its timer finds the box due first
+    ahead = DatabaseTreasureTimer(process.db, clock=lambda: clock.now_ms + 2_000, owner="A")
+    await ahead.schedule(event)
+    clock.now_ms = wake.open_at_ms - 1_000
+    assert await ahead.fire_due(peer.execute) == FireReport(rescheduled=1)
+    assert await ahead.next_fire_at() == wake.open_at_ms  # the owner's time, not a backoff
+    clock.now_ms = wake.open_at_ms
+    assert await ahead.fire_due(peer.execute) == FireReport(fired=1)
+    assert peer.forwarded == 2
+    view = room_grpc.to_dict(await faces.stub.GetRoom(pb.GetRoomRequest(app_code="demo", room_id="r1")))
+    assert view["treasure"]["box_id"] is None and view["treasure"]["level"] == 1
+
+
+async def test_a_malformed_open_treasure_request_is_invalid_argument(faces: Faces) -> None:
+    valid: dict[str, Any] = {
+        "app_code": "demo",
+        "room_id": "r1",
+        "command_id": "treasure-open:20260528-1",
+        "box_id": "20260528-1",
+        "level": 1,
+        "open_at_ms": T0,
+    }
+    long_box = "b" * 51  # treasure-open:<box_id> would be 65 characters, over the id limit
+    malformed: list[dict[str, Any]] = [
+        {"app_code": "Demo!"},
+        {"room_id": "r/1"},
+        {"command_id": "t1"},  # any other id would dodge the replay that keeps a box from opening twice
+        {"command_id": "treasure-open:20260528-2"},
+        {"command_id": "", "box_id": ""},
+        {"command_id": "treasure-open:", "box_id": ""},
+        {"command_id": "treasure-open:a b", "box_id": "a b"},
+        {"command_id": f"treasure-open:{long_box}", "box_id": long_box},
+        {"level": 0},
+        {"level": -1},
+        {"open_at_ms": 0},
+        {"open_at_ms": -T0},
+    ]
+    for change in malformed:
+        with capture_logs() as logs:
+            refusal = await _refused(faces.stub.OpenTreasure(pb.OpenTreasureRequest(**{**valid, **change})))
+        assert refusal == (S.INVALID_ARGUMENT, "invalid_argument"), change
+        [timing] = [e for e in logs if e["event"] == "room_command_timing"]
+        assert (timing["command"], timing["result"]) == ("OpenTreasure", "invalid_argument")
+    assert faces.process.service.registry.peek("demo", "r1") is None
+    # the valid shape reaches the room, which does not exist
+    assert await _refused(faces.stub.OpenTreasure(pb.OpenTreasureRequest(**valid))) == (S.NOT_FOUND, "room_not_found")
+    # a hop needs the peers' shared secret here as for every other command
+    owner = Forwarder(faces.process.service, shared_secret=SECRET)
+    api = await room_grpc.start_room_api(faces.process.service, servicer=owner.servicer())
+    try:
+        async with grpc.aio.insecure_channel(api.target) as channel:
+            stub = pb_grpc.RoomApiStub(channel)
+            request = pb.OpenTreasureRequest(**valid)
+            for metadata in [((HOP_KEY, "1"),), ((HOP_KEY, "1"), (SECRET_KEY, "wrong"))]:
+                assert await _refused(stub.OpenTreasure(request, metadata=metadata)) == (
+                    S.UNAUTHENTICATED,
+                    "unauthorized",
+                )
+    finally:
+        await api.stop(0)
+        await owner.aclose()
 
 
 async def test_a_reply_field_the_proto_lacks_is_an_internal_error_not_a_silent_drop(process: Process) -> None:

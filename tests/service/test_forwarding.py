@@ -38,9 +38,12 @@ class StubService:
     name: str
     ran: list[tuple[str, str]] = field(default_factory=list)
     registry: StubRegistry = field(default_factory=StubRegistry)
+    refuse: errors.RoomServiceError | None = None  # what the next commands answer instead of a body
 
     async def execute(self, app_code: str, room_id: str, command_id: str, command: c.Command) -> dict[str, Any]:
         self.ran.append((command_id, command.name))
+        if self.refuse is not None:
+            raise self.refuse
         room = {"app_code": app_code, "room_id": room_id}
         return {"room": room, "version": len(self.ran), "events": [], "replayed": False}
 
@@ -125,6 +128,25 @@ async def test_the_owners_refusal_comes_back_as_its_error(owner: Peer) -> None:
     finally:
         await fwd.aclose()
     assert owner.service.ran == [("view", "r1")] and local.ran == []
+
+
+async def test_a_treasure_wakeup_for_a_room_another_process_holds_runs_at_the_owner(owner: Peer) -> None:
+    """The durable timer and the treasure-open consumer call the forwarder; the owner opens the box."""
+    wake = c.OpenTreasure(box_id="20260528-1", level=1, open_at_ms=1_780_000_060_000)
+    command_id = c.treasure_open_command_id(wake.box_id)
+    local = StubService("A")
+    fwd = forwarder(local, StubLeases(owner="A", holder=LeaseOwner("B", owner.address, "t")))
+    try:
+        body = await fwd.execute("app", "r1", command_id, wake)
+        owner.service.refuse = errors.TreasureTooEarly(wake.open_at_ms + 250)  # the owner's clock says not yet
+        with pytest.raises(errors.TreasureTooEarly) as info:
+            await fwd.execute("app", "r1", command_id, wake)
+    finally:
+        await fwd.aclose()
+    assert local.ran == []
+    assert owner.service.ran == [(command_id, "OpenTreasure")] * 2
+    assert body["version"] == 1 and fwd.forwarded == 2
+    assert info.value.open_at_ms == wake.open_at_ms + 250  # what the caller reschedules to
 
 
 async def test_a_hop_is_never_forwarded_again(owner: Peer) -> None:

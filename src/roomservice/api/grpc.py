@@ -10,6 +10,11 @@ HTTP (``app_code``, ``room_id``) are checked by the same limits
 (:mod:`roomservice.domain.limits`). Bytes that do not decode as the request are
 ``invalid_argument`` too (:func:`add_room_api`; grpc alone would answer UNKNOWN).
 
+One rpc has no HTTP route: ``OpenTreasure``, the internal treasure wake-up that
+a process whose timer or treasure-open consumer fired sends to the room's owner
+(:mod:`roomservice.forwarding`). Having no HTTP body model, its request is
+checked here (:func:`parse_open_treasure`); the room re-validates the box itself.
+
 Error code → gRPC status (the HTTP status for comparison):
 
     ====================  ====  ===================  ==============================================
@@ -30,7 +35,8 @@ Error code → gRPC status (the HTTP status for comparison):
     command_id_reused     409   ALREADY_EXISTS       the id is taken by another payload
     seat_taken            409   FAILED_PRECONDITION  the room's state refuses it
     room_closed           409   FAILED_PRECONDITION
-    too_early             409   FAILED_PRECONDITION  (internal: treasure wake-ups)
+    too_early             409   FAILED_PRECONDITION  (internal: OpenTreasure before the box's open_at_ms,
+                                                     which the trailing metadata ``open-at-ms`` holds)
     payload_too_large     413   RESOURCE_EXHAUSTED   (gRPC refuses a message over the limit itself)
     unavailable           503   UNAVAILABLE          retry with the same command_id
     retry                 503   UNAVAILABLE          retry with the same command_id
@@ -42,7 +48,9 @@ Every refusal carries the error code twice: in the trailing metadata
 ``error-code`` (the message is the status message), and as a ``google.rpc.Status``
 in ``grpc-status-details-bin`` (what grpcio-status's ``rpc_status.from_call``
 reads) whose details hold one ``google.rpc.ErrorInfo`` with ``reason`` = the
-error code and ``domain`` = ``roomservice``. :func:`error_of` turns such a
+error code and ``domain`` = ``roomservice``. A ``too_early`` refusal also
+carries the box's ``open_at_ms`` in ``open-at-ms``, so that the wake-up that
+crossed a hop is rescheduled to the owner's time. :func:`error_of` turns such a
 refusal back into the error of the tree.
 
 Hooks for scale-out: a command reaches the pipeline through
@@ -88,6 +96,7 @@ SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["RoomApi"].full_name  # roo
 ERROR_DOMAIN: Final = "roomservice"
 ERROR_CODE_KEY: Final = "error-code"
 STATUS_DETAILS_KEY: Final = "grpc-status-details-bin"
+OPEN_AT_KEY: Final = "open-at-ms"  # TreasureTooEarly.open_at_ms, in decimal
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -122,11 +131,17 @@ def grpc_status(exc: errors.RoomServiceError) -> grpc.StatusCode:
 
 
 def error_metadata(exc: errors.RoomServiceError, status: grpc.StatusCode) -> Metadata:
-    """The trailing metadata of a refusal: ``error-code`` and the google.rpc.Status with its ErrorInfo."""
+    """The trailing metadata of a refusal: ``error-code`` and the google.rpc.Status with its ErrorInfo.
+
+    A :class:`errors.TreasureTooEarly` adds its ``open_at_ms`` (``open-at-ms``): the caller reschedules to it.
+    """
     info = AnyProto()
     info.Pack(error_details_pb2.ErrorInfo(reason=exc.code, domain=ERROR_DOMAIN))
     rpc_status = status_pb2.Status(code=status.value[0], message=exc.message, details=[info])
-    return ((ERROR_CODE_KEY, exc.code), (STATUS_DETAILS_KEY, rpc_status.SerializeToString()))
+    metadata: Metadata = ((ERROR_CODE_KEY, exc.code), (STATUS_DETAILS_KEY, rpc_status.SerializeToString()))
+    if isinstance(exc, errors.TreasureTooEarly):
+        metadata += ((OPEN_AT_KEY, str(exc.open_at_ms)),)
+    return metadata
 
 
 # --------------------------------------------------------------------------- bodies <-> messages
@@ -167,8 +182,8 @@ def reply_of(body: dict[str, Any]) -> pb.CommandReply:
 
 
 def request_of(app_code: str, room_id: str, command_id: str, command: c.Command) -> tuple[str, Message]:
-    """The rpc name and request of a command (what a forwarder sends)."""
-    if command.name not in _COMMANDS:
+    """The rpc name and request of a command (what a forwarder sends), the internal OpenTreasure included."""
+    if command.name not in _COMMAND_RPCS:
         raise ValueError(f"{command.name} is not served over the room API")
     fields = {k: v for k, v in command.to_dict().items() if k != "type" and v is not None}
     request = getattr(pb, f"{command.name}Request")(app_code=app_code, room_id=room_id, command_id=command_id, **fields)
@@ -181,7 +196,7 @@ def _error_classes() -> dict[str, type[errors.RoomServiceError]]:
     queue: list[type[errors.RoomServiceError]] = [errors.RoomServiceError]
     while queue:
         cls = queue.pop(0)
-        if cls is not errors.TreasureTooEarly:  # takes open_at_ms; never crosses the API
+        if cls is not errors.TreasureTooEarly:  # takes open_at_ms: error_of rebuilds it from the metadata
             found.setdefault(cls.code, cls)
         queue.extend(cls.__subclasses__())
     return found
@@ -190,6 +205,8 @@ def _error_classes() -> dict[str, type[errors.RoomServiceError]]:
 def error_of(exc: grpc.aio.AioRpcError) -> errors.RoomServiceError:
     """The error of the tree a refusal of this API stands for (its ``error-code`` and message).
 
+    ``too_early`` is :class:`errors.TreasureTooEarly` with the ``open_at_ms`` of ``open-at-ms``
+    (without a readable one, :class:`errors.Retry`: the wake-up backs off rather than being dropped).
     A failure without an error code (the call never reached the servicer: deadline, connection
     refused, an interceptor's refusal) is :class:`errors.Unavailable` when the status says so
     (UNAVAILABLE, DEADLINE_EXCEEDED), else an internal error.
@@ -197,6 +214,9 @@ def error_of(exc: grpc.aio.AioRpcError) -> errors.RoomServiceError:
     metadata = dict(exc.trailing_metadata() or ())
     code = metadata.get(ERROR_CODE_KEY)
     message = exc.details() or None
+    if code == errors.TreasureTooEarly.code:
+        open_at_ms = _open_at_ms(metadata.get(OPEN_AT_KEY))
+        return errors.Retry(message) if open_at_ms is None else errors.TreasureTooEarly(open_at_ms, message)
     if isinstance(code, str):
         cls = _error_classes().get(code)
         if cls is not None:
@@ -206,6 +226,17 @@ def error_of(exc: grpc.aio.AioRpcError) -> errors.RoomServiceError:
     if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
         return errors.Unauthorized(message)
     return errors.RoomServiceError(message)
+
+
+def _open_at_ms(value: str | bytes | None) -> int | None:
+    """The ``open-at-ms`` of a ``too_early`` refusal; None when absent or not a positive number."""
+    if not isinstance(value, str):
+        return None
+    try:
+        open_at_ms = int(value)
+    except ValueError:
+        return None
+    return open_at_ms if open_at_ms > 0 else None
 
 
 # --------------------------------------------------------------------------- the servicer
@@ -221,6 +252,9 @@ _COMMANDS: Final[dict[str, type[s._Body]]] = {
     c.KickUser.name: s.KickBody,
     c.CloseRoom.name: s.CloseBody,
 }
+# rpcs of internal commands: sent by peers only, no HTTP route or body model, so kept out of _COMMANDS
+_INTERNAL_COMMANDS: Final = frozenset({c.OpenTreasure.name})
+_COMMAND_RPCS: Final = frozenset(_COMMANDS) | _INTERNAL_COMMANDS
 
 
 def describe_validation(exc: ValidationError) -> str:
@@ -238,8 +272,33 @@ def check_room_id(room_id: str) -> None:
         raise errors.InvalidArgument(f"room_id: must match {lim.ROOM_ID_PATTERN}")
 
 
+def parse_open_treasure(request: pb.OpenTreasureRequest) -> tuple[str, str, str, c.OpenTreasure]:
+    """``(app_code, room_id, command_id, command)`` of an OpenTreasure request (no HTTP body validates it).
+
+    Only the shape is checked: the ids as every id, a level and an open_at_ms that a box can have,
+    and the command_id the wake-up always carries (``treasure-open:<box_id>``: a wake-up under any
+    other id would dodge the replay that keeps a box from opening twice). Whether the box is the
+    room's current one is the room's to say (a stale wake-up is a no-op there).
+    """
+    check_app_code(request.app_code)
+    check_room_id(request.room_id)
+    expected = c.treasure_open_command_id(request.box_id)
+    if not (lim.valid_id(request.box_id) and lim.valid_id(expected)):
+        raise errors.InvalidArgument(f"box_id: must match {lim.ID_PATTERN}, and treasure-open:<box_id> too")
+    if request.command_id != expected:
+        raise errors.InvalidArgument(f"command_id: must be treasure-open:<box_id> ({expected})")
+    if request.level < 1:
+        raise errors.InvalidArgument(f"level: must be at least 1, got {request.level}")
+    if request.open_at_ms <= 0:
+        raise errors.InvalidArgument(f"open_at_ms: must be positive, got {request.open_at_ms}")
+    command = c.OpenTreasure(box_id=request.box_id, level=request.level, open_at_ms=request.open_at_ms)
+    return request.app_code, request.room_id, request.command_id, command
+
+
 def parse_command(rpc: str, request: Message) -> tuple[str, str, str, c.Command]:
     """``(app_code, room_id, command_id, command)`` of a command request, validated as HTTP validates it."""
+    if isinstance(request, pb.OpenTreasureRequest):
+        return parse_open_treasure(request)
     model = _COMMANDS[rpc]
     app_code: str = getattr(request, "app_code")  # noqa: B009 - generated messages are untyped here
     check_app_code(app_code)
@@ -354,6 +413,10 @@ class RoomApiServicer:
     async def CloseRoom(self, request: pb.CloseRoomRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
         return await self._command("CloseRoom", request, context)
 
+    async def OpenTreasure(self, request: pb.OpenTreasureRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
+        """Internal: a peer's treasure wake-up for a room this process holds (through :meth:`execute`)."""
+        return await self._command("OpenTreasure", request, context)
+
     # ------------------------------------------------------------------ reads
 
     async def GetRoom(self, request: pb.GetRoomRequest, context: grpc.aio.ServicerContext) -> pb.RoomView:
@@ -426,7 +489,7 @@ def _guarded(
     async def call(request: Message | _Undecodable, context: grpc.aio.ServicerContext) -> Message:
         if isinstance(request, _Undecodable):
             exc = errors.InvalidArgument(f"the request is not a valid {request.type_name}: {request.error}")
-            if rpc in _COMMANDS:  # its one timing line, as for any refused command (no id is readable)
+            if rpc in _COMMAND_RPCS:  # its one timing line, as for any refused command (no id is readable)
                 CommandTiming(command=rpc, app_code="", room_id="", command_id="", result=exc.code).emit()
             await _abort(context, exc)
         if tracing.ENABLED:  # a server span continuing the caller's traceparent

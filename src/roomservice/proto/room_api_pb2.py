@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n roomservice/proto/room_api.proto\x12\x0eroomservice.v1\"\x93\x01\n\x11\x43reateRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\r\n\x05title\x18\x05 \x01(\t\x12\x17\n\nseat_count\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_seat_count\"Y\n\x0fJoinRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"Z\n\x10LeaveRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"f\n\x0eTakeMicRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x0c\n\x04seat\x18\x05 \x01(\x03\"Y\n\x0fLeaveMicRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"\x90\x01\n\x0fSendGiftRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x11\n\tsender_id\x18\x04 \x01(\t\x12\x13\n\x0breceiver_id\x18\x05 \x01(\t\x12\x0f\n\x07gift_id\x18\x06 \x01(\t\x12\r\n\x05\x63ount\x18\x07 \x01(\x03\"\x9a\x01\n\x0fKickUserRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x13\n\x0boperator_id\x18\x04 \x01(\t\x12\x11\n\ttarget_id\x18\x05 \x01(\t\x12\x18\n\x0b\x62\x61n_seconds\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x0e\n\x0c_ban_seconds\"^\n\x10\x43loseRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x13\n\x0boperator_id\x18\x04 \x01(\t\"A\n\nRoomMember\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cjoined_at_ms\x18\x03 \x01(\x03\";\n\x08RoomSeat\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x14\n\x07user_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_user_id\"\x84\x01\n\x0cRoomTreasure\x12\x0e\n\x06\x65nergy\x18\x01 \x01(\x03\x12\r\n\x05level\x18\x02 \x01(\x03\x12\x13\n\x06\x62ox_id\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05state\x18\x04 \x01(\t\x12\x17\n\nopen_at_ms\x18\x05 \x01(\x03H\x01\x88\x01\x01\x42\t\n\x07_box_idB\r\n\x0b_open_at_ms\"\x83\x02\n\x08RoomView\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\r\n\x05title\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12+\n\x07members\x18\x07 \x03(\x0b\x32\x1a.roomservice.v1.RoomMember\x12\'\n\x05seats\x18\x08 \x03(\x0b\x32\x18.roomservice.v1.RoomSeat\x12\x0c\n\x04heat\x18\t \x01(\x03\x12.\n\x08treasure\x18\n \x01(\x0b\x32\x1c.roomservice.v1.RoomTreasure\"0\n\x0e\x43ommittedEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\"\x89\x01\n\x0c\x43ommandReply\x12&\n\x04room\x18\x01 \x01(\x0b\x32\x18.roomservice.v1.RoomView\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12.\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1e.roomservice.v1.CommittedEvent\x12\x10\n\x08replayed\x18\x04 \x01(\x08\"3\n\x0eGetRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\"$\n\x10ListRoomsRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\"\x86\x01\n\rRoomListEntry\x12\x0f\n\x07room_id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x14\n\x0cmember_count\x18\x05 \x01(\x03\x12\x0c\n\x04heat\x18\x06 \x01(\x03\x12\x0f\n\x07version\x18\x07 \x01(\x03\">\n\x0eListRoomsReply\x12,\n\x05rooms\x18\x01 \x03(\x0b\x32\x1d.roomservice.v1.RoomListEntry\"\x12\n\x10ListGiftsRequest\"/\n\x04Gift\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05price\x18\x03 \x01(\x03\"5\n\x0eListGiftsReply\x12#\n\x05gifts\x18\x01 \x03(\x0b\x32\x14.roomservice.v1.Gift2\xca\x06\n\x07RoomApi\x12M\n\nCreateRoom\x12!.roomservice.v1.CreateRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08JoinRoom\x12\x1f.roomservice.v1.JoinRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12K\n\tLeaveRoom\x12 .roomservice.v1.LeaveRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12G\n\x07TakeMic\x12\x1e.roomservice.v1.TakeMicRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08LeaveMic\x12\x1f.roomservice.v1.LeaveMicRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08SendGift\x12\x1f.roomservice.v1.SendGiftRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08KickUser\x12\x1f.roomservice.v1.KickUserRequest\x1a\x1c.roomservice.v1.CommandReply\x12K\n\tCloseRoom\x12 .roomservice.v1.CloseRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12\x43\n\x07GetRoom\x12\x1e.roomservice.v1.GetRoomRequest\x1a\x18.roomservice.v1.RoomView\x12M\n\tListRooms\x12 .roomservice.v1.ListRoomsRequest\x1a\x1e.roomservice.v1.ListRoomsReply\x12M\n\tListGifts\x12 .roomservice.v1.ListGiftsRequest\x1a\x1e.roomservice.v1.ListGiftsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n roomservice/proto/room_api.proto\x12\x0eroomservice.v1\"\x93\x01\n\x11\x43reateRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\r\n\x05title\x18\x05 \x01(\t\x12\x17\n\nseat_count\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_seat_count\"Y\n\x0fJoinRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"Z\n\x10LeaveRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"f\n\x0eTakeMicRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\x12\x0c\n\x04seat\x18\x05 \x01(\x03\"Y\n\x0fLeaveMicRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0f\n\x07user_id\x18\x04 \x01(\t\"\x90\x01\n\x0fSendGiftRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x11\n\tsender_id\x18\x04 \x01(\t\x12\x13\n\x0breceiver_id\x18\x05 \x01(\t\x12\x0f\n\x07gift_id\x18\x06 \x01(\t\x12\r\n\x05\x63ount\x18\x07 \x01(\x03\"\x9a\x01\n\x0fKickUserRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x13\n\x0boperator_id\x18\x04 \x01(\t\x12\x11\n\ttarget_id\x18\x05 \x01(\t\x12\x18\n\x0b\x62\x61n_seconds\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x0e\n\x0c_ban_seconds\"^\n\x10\x43loseRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x13\n\x0boperator_id\x18\x04 \x01(\t\"\x7f\n\x13OpenTreasureRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x12\n\ncommand_id\x18\x03 \x01(\t\x12\x0e\n\x06\x62ox_id\x18\x04 \x01(\t\x12\r\n\x05level\x18\x05 \x01(\x03\x12\x12\n\nopen_at_ms\x18\x06 \x01(\x03\"A\n\nRoomMember\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cjoined_at_ms\x18\x03 \x01(\x03\";\n\x08RoomSeat\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x14\n\x07user_id\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_user_id\"\x84\x01\n\x0cRoomTreasure\x12\x0e\n\x06\x65nergy\x18\x01 \x01(\x03\x12\r\n\x05level\x18\x02 \x01(\x03\x12\x13\n\x06\x62ox_id\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\r\n\x05state\x18\x04 \x01(\t\x12\x17\n\nopen_at_ms\x18\x05 \x01(\x03H\x01\x88\x01\x01\x42\t\n\x07_box_idB\r\n\x0b_open_at_ms\"\x83\x02\n\x08RoomView\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x10\n\x08owner_id\x18\x04 \x01(\t\x12\r\n\x05title\x18\x05 \x01(\t\x12\x0e\n\x06status\x18\x06 \x01(\t\x12+\n\x07members\x18\x07 \x03(\x0b\x32\x1a.roomservice.v1.RoomMember\x12\'\n\x05seats\x18\x08 \x03(\x0b\x32\x18.roomservice.v1.RoomSeat\x12\x0c\n\x04heat\x18\t \x01(\x03\x12.\n\x08treasure\x18\n \x01(\x0b\x32\x1c.roomservice.v1.RoomTreasure\"0\n\x0e\x43ommittedEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\"\x89\x01\n\x0c\x43ommandReply\x12&\n\x04room\x18\x01 \x01(\x0b\x32\x18.roomservice.v1.RoomView\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12.\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1e.roomservice.v1.CommittedEvent\x12\x10\n\x08replayed\x18\x04 \x01(\x08\"3\n\x0eGetRoomRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\x12\x0f\n\x07room_id\x18\x02 \x01(\t\"$\n\x10ListRoomsRequest\x12\x10\n\x08\x61pp_code\x18\x01 \x01(\t\"\x86\x01\n\rRoomListEntry\x12\x0f\n\x07room_id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\x12\x10\n\x08owner_id\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x14\n\x0cmember_count\x18\x05 \x01(\x03\x12\x0c\n\x04heat\x18\x06 \x01(\x03\x12\x0f\n\x07version\x18\x07 \x01(\x03\">\n\x0eListRoomsReply\x12,\n\x05rooms\x18\x01 \x03(\x0b\x32\x1d.roomservice.v1.RoomListEntry\"\x12\n\x10ListGiftsRequest\"/\n\x04Gift\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05price\x18\x03 \x01(\x03\"5\n\x0eListGiftsReply\x12#\n\x05gifts\x18\x01 \x03(\x0b\x32\x14.roomservice.v1.Gift2\x9d\x07\n\x07RoomApi\x12M\n\nCreateRoom\x12!.roomservice.v1.CreateRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08JoinRoom\x12\x1f.roomservice.v1.JoinRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12K\n\tLeaveRoom\x12 .roomservice.v1.LeaveRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12G\n\x07TakeMic\x12\x1e.roomservice.v1.TakeMicRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08LeaveMic\x12\x1f.roomservice.v1.LeaveMicRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08SendGift\x12\x1f.roomservice.v1.SendGiftRequest\x1a\x1c.roomservice.v1.CommandReply\x12I\n\x08KickUser\x12\x1f.roomservice.v1.KickUserRequest\x1a\x1c.roomservice.v1.CommandReply\x12K\n\tCloseRoom\x12 .roomservice.v1.CloseRoomRequest\x1a\x1c.roomservice.v1.CommandReply\x12Q\n\x0cOpenTreasure\x12#.roomservice.v1.OpenTreasureRequest\x1a\x1c.roomservice.v1.CommandReply\x12\x43\n\x07GetRoom\x12\x1e.roomservice.v1.GetRoomRequest\x1a\x18.roomservice.v1.RoomView\x12M\n\tListRooms\x12 .roomservice.v1.ListRoomsRequest\x1a\x1e.roomservice.v1.ListRoomsReply\x12M\n\tListGifts\x12 .roomservice.v1.ListGiftsRequest\x1a\x1e.roomservice.v1.ListGiftsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,32 +47,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KICKUSERREQUEST']._serialized_end=882
   _globals['_CLOSEROOMREQUEST']._serialized_start=884
   _globals['_CLOSEROOMREQUEST']._serialized_end=978
-  _globals['_ROOMMEMBER']._serialized_start=980
-  _globals['_ROOMMEMBER']._serialized_end=1045
-  _globals['_ROOMSEAT']._serialized_start=1047
-  _globals['_ROOMSEAT']._serialized_end=1106
-  _globals['_ROOMTREASURE']._serialized_start=1109
-  _globals['_ROOMTREASURE']._serialized_end=1241
-  _globals['_ROOMVIEW']._serialized_start=1244
-  _globals['_ROOMVIEW']._serialized_end=1503
-  _globals['_COMMITTEDEVENT']._serialized_start=1505
-  _globals['_COMMITTEDEVENT']._serialized_end=1553
-  _globals['_COMMANDREPLY']._serialized_start=1556
-  _globals['_COMMANDREPLY']._serialized_end=1693
-  _globals['_GETROOMREQUEST']._serialized_start=1695
-  _globals['_GETROOMREQUEST']._serialized_end=1746
-  _globals['_LISTROOMSREQUEST']._serialized_start=1748
-  _globals['_LISTROOMSREQUEST']._serialized_end=1784
-  _globals['_ROOMLISTENTRY']._serialized_start=1787
-  _globals['_ROOMLISTENTRY']._serialized_end=1921
-  _globals['_LISTROOMSREPLY']._serialized_start=1923
-  _globals['_LISTROOMSREPLY']._serialized_end=1985
-  _globals['_LISTGIFTSREQUEST']._serialized_start=1987
-  _globals['_LISTGIFTSREQUEST']._serialized_end=2005
-  _globals['_GIFT']._serialized_start=2007
-  _globals['_GIFT']._serialized_end=2054
-  _globals['_LISTGIFTSREPLY']._serialized_start=2056
-  _globals['_LISTGIFTSREPLY']._serialized_end=2109
-  _globals['_ROOMAPI']._serialized_start=2112
-  _globals['_ROOMAPI']._serialized_end=2954
+  _globals['_OPENTREASUREREQUEST']._serialized_start=980
+  _globals['_OPENTREASUREREQUEST']._serialized_end=1107
+  _globals['_ROOMMEMBER']._serialized_start=1109
+  _globals['_ROOMMEMBER']._serialized_end=1174
+  _globals['_ROOMSEAT']._serialized_start=1176
+  _globals['_ROOMSEAT']._serialized_end=1235
+  _globals['_ROOMTREASURE']._serialized_start=1238
+  _globals['_ROOMTREASURE']._serialized_end=1370
+  _globals['_ROOMVIEW']._serialized_start=1373
+  _globals['_ROOMVIEW']._serialized_end=1632
+  _globals['_COMMITTEDEVENT']._serialized_start=1634
+  _globals['_COMMITTEDEVENT']._serialized_end=1682
+  _globals['_COMMANDREPLY']._serialized_start=1685
+  _globals['_COMMANDREPLY']._serialized_end=1822
+  _globals['_GETROOMREQUEST']._serialized_start=1824
+  _globals['_GETROOMREQUEST']._serialized_end=1875
+  _globals['_LISTROOMSREQUEST']._serialized_start=1877
+  _globals['_LISTROOMSREQUEST']._serialized_end=1913
+  _globals['_ROOMLISTENTRY']._serialized_start=1916
+  _globals['_ROOMLISTENTRY']._serialized_end=2050
+  _globals['_LISTROOMSREPLY']._serialized_start=2052
+  _globals['_LISTROOMSREPLY']._serialized_end=2114
+  _globals['_LISTGIFTSREQUEST']._serialized_start=2116
+  _globals['_LISTGIFTSREQUEST']._serialized_end=2134
+  _globals['_GIFT']._serialized_start=2136
+  _globals['_GIFT']._serialized_end=2183
+  _globals['_LISTGIFTSREPLY']._serialized_start=2185
+  _globals['_LISTGIFTSREPLY']._serialized_end=2238
+  _globals['_ROOMAPI']._serialized_start=2241
+  _globals['_ROOMAPI']._serialized_end=3166
 # @@protoc_insertion_point(module_scope)

@@ -118,6 +118,22 @@ class CloseRoomRequest(_message.Message):
     operator_id: str
     def __init__(self, app_code: _Optional[str] = ..., room_id: _Optional[str] = ..., command_id: _Optional[str] = ..., operator_id: _Optional[str] = ...) -> None: ...
 
+class OpenTreasureRequest(_message.Message):
+    __slots__ = ("app_code", "room_id", "command_id", "box_id", "level", "open_at_ms")
+    APP_CODE_FIELD_NUMBER: _ClassVar[int]
+    ROOM_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    BOX_ID_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    OPEN_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    app_code: str
+    room_id: str
+    command_id: str
+    box_id: str
+    level: int
+    open_at_ms: int
+    def __init__(self, app_code: _Optional[str] = ..., room_id: _Optional[str] = ..., command_id: _Optional[str] = ..., box_id: _Optional[str] = ..., level: _Optional[int] = ..., open_at_ms: _Optional[int] = ...) -> None: ...
+
 class RoomMember(_message.Message):
     __slots__ = ("user_id", "role", "joined_at_ms")
     USER_ID_FIELD_NUMBER: _ClassVar[int]

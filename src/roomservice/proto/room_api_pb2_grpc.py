@@ -74,6 +74,11 @@ class RoomApiStub:
                 request_serializer=roomservice_dot_proto_dot_room__api__pb2.CloseRoomRequest.SerializeToString,
                 response_deserializer=roomservice_dot_proto_dot_room__api__pb2.CommandReply.FromString,
                 _registered_method=True)
+        self.OpenTreasure = channel.unary_unary(
+                '/roomservice.v1.RoomApi/OpenTreasure',
+                request_serializer=roomservice_dot_proto_dot_room__api__pb2.OpenTreasureRequest.SerializeToString,
+                response_deserializer=roomservice_dot_proto_dot_room__api__pb2.CommandReply.FromString,
+                _registered_method=True)
         self.GetRoom = channel.unary_unary(
                 '/roomservice.v1.RoomApi/GetRoom',
                 request_serializer=roomservice_dot_proto_dot_room__api__pb2.GetRoomRequest.SerializeToString,
@@ -142,6 +147,16 @@ class RoomApiServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTreasure(self, request, context):
+        """Internal, for peers: the treasure wake-up (the durable timer's or the treasure-open
+        consumer's) forwarded to the process that holds the room. No HTTP route; the room
+        re-validates the box. A wake-up before open_at_ms is refused with FAILED_PRECONDITION
+        `too_early`, the box's open_at_ms in the trailing metadata `open-at-ms`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetRoom(self, request, context):
         """The room view (GET /v1/apps/{app_code}/rooms/{room_id}).
         """
@@ -204,6 +219,11 @@ def add_RoomApiServicer_to_server(servicer, server):
             'CloseRoom': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseRoom,
                     request_deserializer=roomservice_dot_proto_dot_room__api__pb2.CloseRoomRequest.FromString,
+                    response_serializer=roomservice_dot_proto_dot_room__api__pb2.CommandReply.SerializeToString,
+            ),
+            'OpenTreasure': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTreasure,
+                    request_deserializer=roomservice_dot_proto_dot_room__api__pb2.OpenTreasureRequest.FromString,
                     response_serializer=roomservice_dot_proto_dot_room__api__pb2.CommandReply.SerializeToString,
             ),
             'GetRoom': grpc.unary_unary_rpc_method_handler(
@@ -437,6 +457,33 @@ class RoomApi:
             target,
             '/roomservice.v1.RoomApi/CloseRoom',
             roomservice_dot_proto_dot_room__api__pb2.CloseRoomRequest.SerializeToString,
+            roomservice_dot_proto_dot_room__api__pb2.CommandReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTreasure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/roomservice.v1.RoomApi/OpenTreasure',
+            roomservice_dot_proto_dot_room__api__pb2.OpenTreasureRequest.SerializeToString,
             roomservice_dot_proto_dot_room__api__pb2.CommandReply.FromString,
             options,
             channel_credentials,
