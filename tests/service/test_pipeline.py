@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from structlog.contextvars import merge_contextvars
@@ -16,6 +18,8 @@ from roomservice.domain import commands as c
 from roomservice.observability.logging import get_logger
 from roomservice.store import tables as t
 from roomservice.wallet.fake import FakeWallet
+from roomservice.wallet.journal import JournalEntry
+from roomservice.wallet.reconcile import Reconciler
 
 TIMING_FIELDS = {
     "command",
@@ -205,6 +209,34 @@ async def test_a_debit_whose_command_id_another_command_took_is_refunded(
         report = await rt.reconciler.run_once()
         assert (report.checked, report.claimed, report.refunded) == (1, 0, 1)
         assert wallet.balances[(APP, "bob")] == 10_000
+
+
+async def test_reconciliation_goes_on_past_entries_that_keep_failing(
+    runtime_factory: RuntimeFactory, wallet: FakeWallet, clock: Clock
+) -> None:
+    """A page of entries that fail (their room held elsewhere, say) used to be all a pass ever looked
+    at: every later orphan waited behind them for good (found by review)."""
+    async with runtime_factory() as rt:
+        journal = rt.commands.journal
+        for n, room in enumerate(["held", "held", "r1"]):
+            key = f"{APP}:{room}:gift-{n}"
+            await wallet.debit(key=key, app_code=APP, user_id="bob", amount=10)
+            await journal.record(JournalEntry(key, APP, room, f"gift-{n}", "bob", 10, clock.now_ms + n))
+
+        @contextlib.asynccontextmanager
+        async def room_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
+            if room_id == "held":
+                raise errors.Retry("held by another process")
+            yield
+
+        reconciler = Reconciler(
+            journal=journal, wallet=wallet, store=rt.store, reconcile_after_ms=0, clock=lambda: clock.now_ms + 10,
+            batch_size=2, room_turn=room_turn,
+        )
+        report = await reconciler.run_once()
+        assert (report.checked, report.errors, report.refunded) == (3, 2, 1)
+        assert wallet.balances[(APP, "bob")] == 10_000 - 20  # the third refunded; the held two stay for later
+        assert [e.room_id for e in await journal.older_than(clock.now_ms + 10, limit=10)] == ["held", "held"]
 
 
 async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Process) -> None:

@@ -46,16 +46,18 @@ class DebitJournal:
     async def forget(self, debit_key: str) -> None:
         await run_writes(self._db, _forget, debit_key)
 
-    async def older_than(self, before_ms: int, *, limit: int) -> list[JournalEntry]:
+    async def older_than(
+        self, before_ms: int, *, limit: int, after: tuple[int, str] | None = None
+    ) -> list[JournalEntry]:
+        """Up to ``limit`` entries journaled before ``before_ms``, oldest first (then by key); ``after``:
+        only those past that entry's (created_at_ms, debit_key), the next page."""
+        d = t.wallet_pending_debit.c
+        query = sa.select(t.wallet_pending_debit).where(d.created_at_ms < before_ms)
+        if after is not None:
+            at, key = after
+            query = query.where((d.created_at_ms > at) | ((d.created_at_ms == at) & (d.debit_key > key)))
         async with self._db.read() as conn:
-            rows = (
-                await conn.execute(
-                    sa.select(t.wallet_pending_debit)
-                    .where(t.wallet_pending_debit.c.created_at_ms < before_ms)
-                    .order_by(t.wallet_pending_debit.c.created_at_ms)
-                    .limit(limit)
-                )
-            ).all()
+            rows = (await conn.execute(query.order_by(d.created_at_ms, d.debit_key).limit(limit))).all()
         return [
             JournalEntry(
                 r.debit_key, r.app_code, r.room_id, r.command_id, r.user_id, int(r.amount), int(r.created_at_ms)

@@ -20,7 +20,7 @@ from roomservice.domain.commands import SendGift
 from roomservice.errors import Retry, Unavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import RoomStore
-from roomservice.wallet.journal import DebitJournal
+from roomservice.wallet.journal import DebitJournal, JournalEntry
 from roomservice.wallet.port import Wallet, WalletError
 
 _log = get_logger("roomservice.wallet")
@@ -66,7 +66,22 @@ class Reconciler:
         self._room_turn = room_turn
 
     async def run_once(self) -> ReconcileReport:
-        entries = await self._journal.older_than(self._clock() - self._after_ms, limit=self._batch_size)
+        """One pass over every entry old enough, a page at a time: an entry that fails (its room held
+        elsewhere, the wallet refusing) stays for the next pass, and the pages go on past it, so entries
+        that keep failing never hold up the ones behind them."""
+        before_ms = self._clock() - self._after_ms
+        checked = claimed = refunded = errors = 0
+        after: tuple[int, str] | None = None
+        while True:
+            entries = await self._journal.older_than(before_ms, limit=self._batch_size, after=after)
+            page = await self._reconcile(entries)
+            checked, claimed = checked + page.checked, claimed + page.claimed
+            refunded, errors = refunded + page.refunded, errors + page.errors
+            if len(entries) < self._batch_size:
+                return ReconcileReport(checked, claimed, refunded, errors)
+            after = (entries[-1].created_at_ms, entries[-1].debit_key)
+
+    async def _reconcile(self, entries: list[JournalEntry]) -> ReconcileReport:
         claimed = refunded = errors = 0
         for entry in entries:
             try:
