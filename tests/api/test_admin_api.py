@@ -14,6 +14,7 @@ from tests.service.test_outbox_admin import HOUR, MIN, T0, Clock, gift_event, in
 
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.api.app import ApiContext, create_app
+from roomservice.api.edge import token_ok
 from roomservice.bootstrap import Process
 from roomservice.store import tables as t
 
@@ -87,6 +88,45 @@ async def test_every_admin_route_needs_the_token(
     response = await admin_client.request(method, path, json=body, headers=headers)
     assert_error(response, 401, "unauthorized")
     assert await status_of(api_runtime, "f-1") == "failed"  # nothing happened
+
+
+NON_ASCII_ROUTES = [*ROUTES, ("GET", "/admin/status", None), ("DELETE", "/admin/nowhere", None)]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), NON_ASCII_ROUTES)
+@pytest.mark.parametrize(
+    "token",
+    ["\xe9t\xe9".encode("latin-1"), "\xe9t\xe9".encode(), ADMIN_TOKEN.encode() + b"\xe9", b"\xff" * 64],
+    ids=["latin-1", "utf-8", "token-plus-one", "ff"],
+)
+async def test_a_non_ascii_token_is_unauthorized_not_an_error(
+    admin_client: httpx.AsyncClient,
+    api_runtime: Process,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    token: bytes,
+) -> None:
+    # the header is decoded as latin-1: hmac.compare_digest(str, str) raised TypeError on it (500 internal)
+    response = await admin_client.request(method, path, json=body, headers={b"Authorization": b"Bearer " + token})
+    assert_error(response, 401, "unauthorized")
+    assert await status_of(api_runtime, "f-1") == "failed"
+
+
+async def test_a_non_ascii_configured_token_admits_its_utf8_bytes(api_runtime: Process) -> None:
+    app = create_app(ApiContext(service=api_runtime.service, health=api_runtime.health, admin_token="\xe9t\xe9"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://room.test") as http:
+        admitted = await http.get("/admin/status", headers={b"Authorization": b"Bearer " + "\xe9t\xe9".encode()})
+        assert admitted.status_code == 200, admitted.text
+        latin_1 = {b"Authorization": b"Bearer " + "\xe9t\xe9".encode("latin-1")}  # the same text, other bytes
+        refused = await http.get("/admin/status", headers=latin_1)
+        assert_error(refused, 401, "unauthorized")
+
+
+def test_token_ok_refuses_text_no_header_can_carry() -> None:
+    assert token_ok("Bearer " + "\xe9t\xe9".encode().decode("latin-1"), "\xe9t\xe9")
+    assert not token_ok("Bearer \u20ac", "\u20ac")  # not latin-1: not a decoded header value
+    assert not token_ok(f"Bearer {ADMIN_TOKEN}\xe9", ADMIN_TOKEN)
 
 
 async def test_outbox_routes_are_absent_without_outbox_admin(client: httpx.AsyncClient) -> None:

@@ -22,9 +22,21 @@ ADMIN_PREFIX = "/admin"
 
 
 def token_ok(authorization: str | None, admin_token: str) -> bool:
-    """Is ``authorization`` ``Bearer <admin_token>``? (An empty configured token admits nobody.)"""
+    """Is ``authorization`` ``Bearer <admin_token>``? (An empty configured token admits nobody.)
+
+    Compared as bytes: ``hmac.compare_digest`` raises TypeError for a str with a non-ASCII
+    character, so ``Bearer \xe9t\xe9`` answered 500 instead of 401. ASGI servers and Starlette
+    decode header values as latin-1, which encoding undoes exactly (the bytes the client sent);
+    the configured token is UTF-8, so a non-ASCII token sent as UTF-8 still matches.
+    """
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and bool(admin_token) and hmac.compare_digest(token, admin_token)
+    if scheme.lower() != "bearer" or not admin_token:
+        return False
+    try:
+        given = token.encode("latin-1")
+    except UnicodeEncodeError:  # not a decoded header value: no client could have sent it
+        return False
+    return hmac.compare_digest(given, admin_token.encode())
 
 
 def _is_admin(path: str) -> bool:
