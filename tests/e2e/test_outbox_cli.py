@@ -288,11 +288,51 @@ def test_bulk_replay_with_no_match(cli: Env) -> None:
         (("list", "--status", "dead"), "unknown status 'dead'; expected one of pending"),
         (("list", "--limit", "0"), "limit must be 1..1000"),
         (("show", "nope"), "no outbox row with event_id nope"),
+        (("show", "\u00e9"), "EVENT_ID: '\u00e9' is not an event id (must match ^[A-Za-z0-9_.:-]{1,64}$)"),
+        (("replay", "f-1", "f-\u00e9"), "EVENT_ID: 'f-\u00e9' is not an event id"),  # f-1 is not replayed either
+        (("list", "--type", "\u00e9"), "--type: '\u00e9' does not match"),
+        (("list", "--app", "Demo"), "--app: 'Demo' does not match ^[a-z0-9_]{1,32}$"),
+        (("list", "--room", "r 1"), "--room: 'r 1' does not match"),
+        (("replay", "--status", "failed", "--room", "r\u00e9", "--yes"), "--room: 'r\u00e9' does not match"),
     ],
 )
 def test_bad_arguments_fail_with_one_clear_line(cli: Env, args: tuple[str, ...], fragment: str) -> None:
     assert_clear_error(cli.run(*args), fragment)
     assert cli.statuses()["failed"] == 7
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("show", "\u00e9"), "EVENT_ID: '\u00e9' is not an event id"),
+        (("replay", "f-1", "\u00e9"), "EVENT_ID: '\u00e9' is not an event id"),
+        (("list", "--type", "\u00e9"), "--type"),
+        (("list", "--app", "\u00e9"), "--app"),
+        (("list", "--room", "\u00e9"), "--room"),
+        (("replay", "--status", "failed", "--app", "\u00e9", "--yes"), "--app"),
+    ],
+)
+def test_ids_outside_their_patterns_are_bad_arguments_on_mariadb(
+    tmp_path: Path, migrated_mariadb_url: str, args: tuple[str, ...], fragment: str
+) -> None:
+    # MariaDB cannot compare an ascii_bin column with a non-ASCII literal (errors 1267/1270): this
+    # printed "database unavailable" and exited 1, as if the database were down
+    config = tmp_path / "room.yaml"
+    config.write_text(f'database:\n  url: "{migrated_mariadb_url}"\nlogging:\n  json: false\n')
+
+    async def seed() -> None:
+        db = Database.from_url(migrated_mariadb_url)
+        try:
+            await insert_rows(db, seed_rows(time.time_ns() // 1_000_000))
+        finally:
+            await db.dispose()
+
+    asyncio.run(seed())
+    env = Env(tmp=tmp_path, config=config, db_path=tmp_path / "unused.db")
+    assert_clear_error(env.run(*args), fragment)
+    shown = env.run("show", "f-1", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["status"] == "failed"
 
 
 # --------------------------------------------------------------------------- no database

@@ -19,6 +19,11 @@ Exit codes: 0 done; 1 some rows were not replayed (not in status failed), the
 confirmation was declined or the database is unavailable; 2 bad arguments
 (unknown event id, bad duration or status, nothing to replay, no database at
 the configured path) with a one-line message on stderr.
+
+An EVENT_ID, --type, --app or --room outside the domain's patterns
+(``domain/limits.py``) is a bad argument too, refused before the database is
+opened: MariaDB cannot compare it with its ascii_bin column and failed the
+query, which read as "database unavailable" (exit 1).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from roomservice.admin.operations import (
     OutboxRowView,
     OutboxStats,
     ReplayReport,
+    check_event_ids,
     repair_targets,
 )
 from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
@@ -142,8 +148,22 @@ def _filter(
             older_than=older_than,
             newer_than=newer_than,
             error_contains=error,
-            names={"older_than": "--older-than", "newer_than": "--newer-than"},
+            names={
+                "older_than": "--older-than",
+                "newer_than": "--newer-than",
+                "event_type": "--type",
+                "app_code": "--app",
+                "room_id": "--room",
+            },
         )
+    except errors.InvalidArgument as exc:
+        _fail(exc.message)
+
+
+def _event_ids(event_ids: list[str]) -> None:
+    """Fail (exit 2) on an EVENT_ID no row can have, before opening the database (module docstring)."""
+    try:
+        check_event_ids(event_ids, name="EVENT_ID")
     except errors.InvalidArgument as exc:
         _fail(exc.message)
 
@@ -212,6 +232,7 @@ def show_command(
     data_dir: DataDirOpt = Path("var"),
 ) -> None:
     """Every column of one row, its decoded event and its audit trail."""
+    _event_ids([event_id])
     detail = _run(config, data_dir, lambda admin: admin.show(event_id))
     if as_json:
         _echo_json(detail.to_dict())
@@ -263,6 +284,7 @@ def replay_command(
     if event_ids:
         if status is not None or has_filters:
             _fail("give either EVENT_ID... or --status failed with filters, not both")
+        _event_ids(event_ids)
         report = _run(
             config,
             data_dir,

@@ -12,6 +12,13 @@
 (``"10m"``, ``"1h30m"``). Bad values answer ``400 invalid_argument``, an
 unknown event id ``404 not_found``, a missing or wrong token ``401
 unauthorized`` — always in the one error shape of SPEC §8.
+
+Event ids (in the path and in ``event_ids``) and the ``type``, ``app`` and
+``room`` filters must match the domain's patterns (``domain/limits.py``, as on
+the public routes); anything else is ``400 invalid_argument`` naming the field,
+``GET /admin/outbox/{event_id}`` included: such a value is malformed, not
+missing, and MariaDB would not even compare it with its ascii_bin column
+("database unavailable", 503). See :mod:`roomservice.admin.operations`.
 """
 
 from __future__ import annotations
@@ -24,12 +31,16 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from roomservice.admin.operations import MAX_LIST_LIMIT, OutboxAdmin, OutboxFilter
-from roomservice.domain.limits import MAX_ID_VALUE
+from roomservice.domain.limits import APP_CODE_PATTERN, ID_PATTERN, MAX_ID_VALUE, ROOM_ID_PATTERN
 
 ACTOR = "admin-api"
 MAX_REPLAY_IDS = 1000
 
-EventId = Annotated[str, Field(min_length=1, max_length=64)]
+# ids are compared with ascii_bin columns: the domain's patterns, not only lengths (module docstring)
+EventId = Annotated[str, Field(pattern=ID_PATTERN, min_length=1, max_length=64)]
+EventType = Annotated[str, Field(pattern=ID_PATTERN, min_length=1, max_length=64)]
+AppCode = Annotated[str, Field(pattern=APP_CODE_PATTERN, min_length=1, max_length=32)]
+RoomId = Annotated[str, Field(pattern=ROOM_ID_PATTERN, min_length=1, max_length=48)]
 FilterText = Annotated[str, Field(min_length=1, max_length=200)]
 
 
@@ -39,9 +50,9 @@ class ReplayFilterBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     status: list[FilterText] | None = None
-    type: FilterText | None = None
-    app: FilterText | None = None
-    room: FilterText | None = None
+    type: EventType | None = None
+    app: AppCode | None = None
+    room: RoomId | None = None
     older_than: FilterText | None = None
     newer_than: FilterText | None = None
     error: FilterText | None = None
@@ -102,9 +113,9 @@ def admin_router(
     @router.get("")
     async def outbox_list(
         status: Annotated[list[str] | None, Query(description="repeat or comma-separate")] = None,
-        event_type: Annotated[str | None, Query(alias="type", min_length=1, max_length=64)] = None,
-        app: Annotated[str | None, Query(min_length=1, max_length=32)] = None,
-        room: Annotated[str | None, Query(min_length=1, max_length=48)] = None,
+        event_type: Annotated[str | None, Query(alias="type", pattern=ID_PATTERN, min_length=1, max_length=64)] = None,
+        app: Annotated[str | None, Query(pattern=APP_CODE_PATTERN, min_length=1, max_length=32)] = None,
+        room: Annotated[str | None, Query(pattern=ROOM_ID_PATTERN, min_length=1, max_length=48)] = None,
         older_than: Annotated[str | None, Query(description='Go duration, e.g. "10m"')] = None,
         newer_than: Annotated[str | None, Query(description='Go duration, e.g. "1h"')] = None,
         error: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
@@ -128,7 +139,9 @@ def admin_router(
         }
 
     @router.get("/{event_id}")
-    async def outbox_show(event_id: Annotated[str, Path(min_length=1, max_length=64)]) -> dict[str, Any]:
+    async def outbox_show(
+        event_id: Annotated[str, Path(pattern=ID_PATTERN, min_length=1, max_length=64)],
+    ) -> dict[str, Any]:
         return (await admin.show(event_id)).to_dict()
 
     @router.post("/replay")

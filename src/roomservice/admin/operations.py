@@ -37,6 +37,17 @@ no-op on SQLite, whose write transaction already holds the database lock), the
 update is guarded by ``status = 'failed'`` and the audit rows are inserted in
 the same transaction. A batch with unknown ids or rows in another status never
 raises: each id gets its own outcome in the :class:`ReplayReport`.
+
+Inputs compared with ``ascii_bin`` columns — event ids, and the type, app and
+room filters — are checked against the identifier patterns of
+:mod:`roomservice.domain.limits` before any SQL (:func:`check_event_ids`,
+:meth:`OutboxFilter.validated`): MariaDB refuses to compare such a column with
+a non-ASCII literal (errors 1267/1270), which surfaced as ``StoreUnavailable``
+("database unavailable", 503, CLI exit 1) while SQLite simply found nothing. A
+value outside its pattern is :class:`errors.InvalidArgument` naming the field
+(400, CLI exit 2) on every backend, even for ``show`` of one id, where "no
+such row" would also be true: no row can have such a value, and an operator
+who pasted a stray character learns that the id is malformed, not missing.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Final, Literal, TypeAlias
@@ -63,7 +74,15 @@ from sqlalchemy import (
 
 from roomservice import errors, wire
 from roomservice.domain.events import dedup_id, new_event_id
-from roomservice.domain.limits import MAX_ID_VALUE
+from roomservice.domain.limits import (
+    APP_CODE_PATTERN,
+    ID_PATTERN,
+    MAX_ID_VALUE,
+    ROOM_ID_PATTERN,
+    valid_app_code,
+    valid_id,
+    valid_room_id,
+)
 from roomservice.domain.routing import Target
 from roomservice.durations import parse_duration
 from roomservice.outbox.model import PublishMode, Status, format_targets, parse_targets, required_targets
@@ -82,6 +101,7 @@ __all__ = [
     "OutboxStats",
     "ReplayOutcome",
     "ReplayReport",
+    "check_event_ids",
     "parse_repair_targets",
     "repair_targets",
 ]
@@ -92,6 +112,13 @@ MAX_LIST_LIMIT: Final = 1000
 MAX_BATCH_SIZE: Final = 1000
 _MAX_FILTER_TEXT: Final = 200
 _ACTOR_MAX: Final = 64  # room_outbox_audit.actor is VARCHAR(64)
+# The filter criteria compared with ascii_bin columns, and the pattern every stored value matches
+# (app codes and room ids passed it on the way in, SPEC §3; event types are the events' names).
+_ID_CRITERIA: Final = (
+    ("event_type", ID_PATTERN, valid_id),
+    ("app_code", APP_CODE_PATTERN, valid_app_code),
+    ("room_id", ROOM_ID_PATTERN, valid_room_id),
+)
 
 ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable", "no_targets"]
 
@@ -99,6 +126,18 @@ ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable", "no
 REPAIR_TARGETS: Final[tuple[str, ...]] = tuple(
     t.value for t in (Target.IM, Target.ACTIVITY, Target.BROKER, Target.TREASURE_WAKEUP)
 )
+
+
+def check_event_ids(event_ids: Iterable[str], *, name: str = "event_id") -> None:
+    """:class:`errors.InvalidArgument` naming ``name`` for the first id outside :data:`ID_PATTERN`.
+
+    Every event id matches it (a UUIDv7 in hex; the activity service refuses others), so such an
+    id names no row; it is refused before any SQL because MariaDB fails the comparison of the
+    ascii_bin ``event_id`` with a non-ASCII literal instead of finding nothing (module docstring).
+    """
+    for event_id in event_ids:
+        if not valid_id(event_id):
+            raise errors.InvalidArgument(f"{name}: {event_id[:40]!r} is not an event id (must match {ID_PATTERN})")
 
 
 def parse_repair_targets(values: Iterable[str] | None) -> frozenset[str] | None:
@@ -166,11 +205,11 @@ class OutboxFilter:
         older_than: str | None = None,
         newer_than: str | None = None,
         error_contains: str | None = None,
-        names: dict[str, str] | None = None,
+        names: Mapping[str, str] | None = None,
     ) -> OutboxFilter:
         """A validated filter from text as people type it: statuses repeated or comma-separated,
         ages as Go durations ("10m"). Errors (:class:`errors.InvalidArgument`) use ``names``
-        for the criterion, e.g. ``{"older_than": "--older-than"}`` in the CLI."""
+        for the criterion, e.g. ``{"older_than": "--older-than", "room_id": "--room"}`` in the CLI."""
         label = names or {}
         return cls(
             statuses=tuple(w.strip() for s in statuses for w in s.split(",") if w.strip()),
@@ -180,20 +219,25 @@ class OutboxFilter:
             older_than_ms=_age_ms(label.get("older_than", "older_than"), older_than),
             newer_than_ms=_age_ms(label.get("newer_than", "newer_than"), newer_than),
             error_contains=error_contains,
-        ).validated()
+        ).validated(names=label)
 
-    def validated(self) -> OutboxFilter:
-        """This filter, deduplicated; :class:`errors.InvalidArgument` naming the first bad criterion."""
+    def validated(self, *, names: Mapping[str, str] | None = None) -> OutboxFilter:
+        """This filter, deduplicated; :class:`errors.InvalidArgument` naming the first bad criterion
+        (``names``: how the caller calls the id criteria, as for :meth:`parse`).
+
+        The type, app and room must match the domain's patterns, not only their lengths: see the
+        module docstring (a non-ASCII value made MariaDB answer "database unavailable")."""
         statuses: list[str] = []
         for status in self.statuses:
             if status not in ALL_STATUSES:
                 raise errors.InvalidArgument(f"unknown status {status!r}; expected one of {', '.join(ALL_STATUSES)}")
             if status not in statuses:
                 statuses.append(status)
-        for name, max_len in (("event_type", 64), ("app_code", 32), ("room_id", 48)):
+        label = names or {}
+        for name, pattern, valid in _ID_CRITERIA:
             value = getattr(self, name)
-            if value is not None and not 1 <= len(value) <= max_len:
-                raise errors.InvalidArgument(f"{name} must be 1..{max_len} characters")
+            if value is not None and not valid(value):
+                raise errors.InvalidArgument(f"{label.get(name, name)}: {value[:40]!r} does not match {pattern}")
         if self.error_contains is not None and not 1 <= len(self.error_contains) <= _MAX_FILTER_TEXT:
             raise errors.InvalidArgument(f"error text must be 1..{_MAX_FILTER_TEXT} characters")
         for name in ("older_than_ms", "newer_than_ms"):
@@ -591,6 +635,9 @@ class OutboxAdmin:
         return int(total or 0)
 
     async def show(self, event_id: str) -> OutboxRowDetail:
+        """One row with its decoded event and audit trail; :class:`errors.NotFound` for an id no row
+        has, :class:`errors.InvalidArgument` for one no row can have (:func:`check_event_ids`)."""
+        check_event_ids([event_id])
         now_ms = self.clock()
         row, audit = await self.db.run_read(_read_show, event_id)
         if row is None:
@@ -626,10 +673,12 @@ class OutboxAdmin:
 
         ``targets`` (repair only; names of :data:`REPAIR_TARGETS`, comma lists allowed):
         what the repair is sent to; ``None`` sends it where the original had not succeeded.
-        ``progress(done, total)``: as for :meth:`replay_matching`.
+        ``progress(done, total)``: as for :meth:`replay_matching`. An id outside the event id
+        pattern fails the whole call before any batch (:func:`check_event_ids`): nothing is replayed.
         """
         _check_batch_size(batch_size)
         ids = list(dict.fromkeys(event_ids))
+        check_event_ids(ids, name="event_ids")
         actor = _actor(actor)
         chosen = repair_targets(targets, as_repair=as_repair)
         report = ReplayReport(as_repair=as_repair, targets=chosen)
