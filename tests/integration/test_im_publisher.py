@@ -293,6 +293,25 @@ async def test_concurrent_duplicates_make_one_message(publisher: TencentImPublis
     assert await publisher.steps.done(ev.event_id) == {MESSAGE}
 
 
+async def test_a_repair_sent_inside_the_window_is_absorbed_as_its_original(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    """A repair re-sends an event under a new event_id and names the original (repair_of); its steps are
+    recorded under the original's id, and its message's Random must be the original's too, or Tencent takes
+    it for a new message when the original's send went out unrecorded (found by review)."""
+    await room_with_group(publisher)
+    ev = joined()
+    await publish(publisher, ev)
+    await wipe_steps(database)  # the original's send reached IM; its record did not survive
+    repair = e.Event(uuid.uuid4().hex, ev.app_code, ev.room_id, ev.room_version, ev.occurred_at_ms, ev.payload,
+                     repair_of=ev.event_id)
+    sandbox.state.advance_clock(10)
+    assert await delta(sandbox, publish(publisher, repair)) == {"send_group_msg": 1}
+    group = sandbox.state.group(group_of())
+    assert group is not None and group.duplicates_absorbed == 1
+    assert len(sandbox.state.messages(group_of())) == 1
+
+
 async def test_tencent_window_absorbs_quick_resends_and_our_record_covers_the_rest(
     publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
 ) -> None:

@@ -251,8 +251,10 @@ class TencentImPublisher:
                 raise
 
     async def _send_message(self, group: str, event: e.Event, deadline: float) -> None:
+        # the Random of the original event (dedup_id), as its sent record: a repair sent inside Tencent's
+        # duplicate window after the original went out unrecorded is dropped by Tencent, not shown twice
         await self.client.send_group_msg(
-            group, message_data(event), random=random_for(event.event_id), deadline=deadline
+            group, message_data(event), random=random_for(e.dedup_id(event)), deadline=deadline
         )
 
     async def _remove_member(self, group: str, user_id: str, ban_seconds: int, deadline: float) -> None:
