@@ -409,7 +409,7 @@ async def test_http_error_statuses() -> None:
         async with im:
             await im.destroy_group("g")
 
-    for status in (500, 502, 429):
+    for status in (500, 502, 429, 408, 425):
         with pytest.raises(ImRetryableError) as err:
             await call(answer(status))
         assert err.value.http_status == status

@@ -344,7 +344,9 @@ class TencentImClient:
 
     @staticmethod
     def _read(api: str, command: str, status: int, answer: bytes) -> dict[str, Any]:
-        if status == 429 or status >= 500:
+        # (IM itself answers 200 with an ErrorCode: another status is a proxy's or a gateway's; of those a
+        # timeout, "too early" and throttling are worth another try, as a 5xx is)
+        if status in (408, 425, 429) or status >= 500:
             raise ImRetryableError(f"{api}: HTTP {status}", command=command, http_status=status)
         if status != 200:
             raise ImPermanentError(f"{api}: HTTP {status}", command=command, http_status=status)
