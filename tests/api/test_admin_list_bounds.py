@@ -13,33 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
-from tests.api.conftest import ADMIN_TOKEN
-from tests.service.conftest import make_settings
+from tests.api.conftest import ADMIN_TOKEN, admin_client
 
-from roomservice.api.app import ApiContext, create_app
-from roomservice.bootstrap import API, Process
 from roomservice.domain.limits import MAX_ID_VALUE
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-@pytest.fixture(params=["sqlite", "mariadb"])
-def own_backend_url(request: pytest.FixtureRequest) -> str:
-    """A migrated database of this test alone on each backend (the Process's start-up migration: a no-op)."""
-    url: str = request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "migrated_mariadb_url")
-    return url
-
-
 @pytest_asyncio.fixture
 async def backend_client(own_backend_url: str, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    settings = make_settings(own_backend_url, tmp_path)
-    async with Process.running(settings, roles=(API,), loops=False) as rt:
-        assert rt.outbox_admin is not None
-        app = create_app(
-            ApiContext(service=rt.service, health=rt.health, admin_token=ADMIN_TOKEN, outbox_admin=rt.outbox_admin)
-        )
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://room.test") as http:
-            yield http
+    async with admin_client(own_backend_url, tmp_path) as http:
+        yield http
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,20 @@ class Gate:
         await self.opened.wait()
 
 
+def hold_save(runtime: Process, monkeypatch: pytest.MonkeyPatch, command_id: str) -> Gate:
+    """A gate at the start of ``command_id``'s save (its turn held, mid-commit)."""
+    gate = Gate()
+    save_mutation = runtime.store.save_mutation
+
+    async def held_save(mutation: Any) -> Any:
+        if mutation.command_id == command_id:
+            await gate.hold()
+        return await save_mutation(mutation)
+
+    monkeypatch.setattr(runtime.store, "save_mutation", held_save)
+    return gate
+
+
 async def test_a_caller_cancelled_while_its_room_loads_takes_no_one_else_with_it(
     runtime: Process, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -87,15 +101,7 @@ async def test_an_idle_sweep_leaves_a_cell_that_got_busy_meanwhile(
     monkeypatch.setattr(registry.leases, "release", release_r1_slowly)
     sweep = asyncio.create_task(registry.evict_idle())
     await slow_release.reached.wait()  # r1 and r2 listed; r1's lease on its way back
-    slow_save = Gate()
-    save_mutation = runtime.store.save_mutation
-
-    async def save_x_slowly(mutation: Any) -> Any:
-        if mutation.command_id == "x":
-            await slow_save.hold()
-        return await save_mutation(mutation)
-
-    monkeypatch.setattr(runtime.store, "save_mutation", save_x_slowly)
+    slow_save = hold_save(runtime, monkeypatch, "x")
     x = asyncio.create_task(run(runtime, "r2", "x", c.JoinRoom(user_id="xavier")))
     await slow_save.reached.wait()  # x holds r2's turn, mid-commit
     slow_release.opened.set()
@@ -111,15 +117,7 @@ async def test_a_command_cancelled_in_the_queue_leaves_the_cell_of_a_room_being_
 ) -> None:
     """A command queued behind a CreateRoom still committing sees no room yet; cancelled there, it used
     to retire the cell (and give the lease back) under the creation: the next join answered 404."""
-    slow_save = Gate()
-    save_mutation = runtime.store.save_mutation
-
-    async def save_create_slowly(mutation: Any) -> Any:
-        if mutation.command_id == "create":
-            await slow_save.hold()
-        return await save_mutation(mutation)
-
-    monkeypatch.setattr(runtime.store, "save_mutation", save_create_slowly)
+    slow_save = hold_save(runtime, monkeypatch, "create")
     create = asyncio.create_task(run(runtime, "r9", "create", c.CreateRoom(owner_id="owner", title="T")))
     await slow_save.reached.wait()
     cell = runtime.registry.peek(APP, "r9")
