@@ -724,6 +724,19 @@ async def test_read_units_of_one_function_are_slow_each_by_its_statement(tmp_pat
         await db.dispose()
 
 
+def test_a_units_key_counts_a_statement_inside_on_connection_not_a_value() -> None:
+    """Looking through on_connection, only a statement tells kinds apart: a debit key (a string, new
+    every call) must not make each unit a kind of its own (the slow-unit set is bounded and cleared)."""
+    from roomservice.store.writes import on_connection
+
+    assert database._unit_key(on_connection, (_rows_of, COUNTING, {})) != database._unit_key(
+        on_connection, (_rows_of, COUNTING_TOO, {})
+    )
+    assert database._unit_key(on_connection, (_counted, "key-a")) == database._unit_key(
+        on_connection, (_counted, "key-b")
+    )
+
+
 async def test_back_to_back_inline_units_let_the_loop_run(tmp_path: Path) -> None:
     _create_table(tmp_path / "room.db")
     db = _sqlite_db(tmp_path / "room.db")

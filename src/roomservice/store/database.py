@@ -1299,8 +1299,9 @@ def _unit_key(fn: object, args: tuple[Any, ...]) -> tuple[object, object]:
     unit of :func:`roomservice.store.writes.on_connection` is its first argument, a function, told apart
     the same way by the arguments after it (a room's load and a command's look-up: one function, two
     statements)."""
-    if args and isinstance(args[0], FunctionType):
-        fn, args = args[0], args[1:]
+    if args and isinstance(args[0], FunctionType):  # (only a statement construct counts inside: not a key's value)
+        inner = args[1] if len(args) > 1 else None
+        return (args[0], inner if isinstance(inner, ClauseElement) else None)
     first = args[0] if args else None
     return (fn, first if isinstance(first, (ClauseElement, str)) else None)
 
