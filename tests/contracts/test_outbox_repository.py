@@ -597,6 +597,19 @@ async def test_finish_and_claim_never_claims_a_row_it_finishes_even_when_its_ret
     ]  # the next claim takes it, due as it is
 
 
+async def test_a_dead_letter_written_by_finish_and_claim_holds_no_due_row_back(
+    database: Database, repo: SqlOutboxRepository
+) -> None:
+    (row_id,) = await insert(database, pending())
+    await repo.claim_due(owner="w", now_ms=NOW, lock_ms=LOCK_MS, limit=10)
+    due = await insert(database, retryable(NOW + 500))
+    dead = RetryDecision(row_id, "", failed=True, next_retry_at_ms=NOW, last_error="poison")
+    _, nxt = await repo.finish_and_claim(
+        owner="w", now_ms=NOW + 1_000, delivered=[], retries=[dead], lock_ms=LOCK_MS, limit=10
+    )
+    assert [r.id for r in nxt] == due  # due at NOW + 500: a dead letter is never claimed, and bounds nothing
+
+
 async def test_defer_puts_the_rooms_later_pending_rows_behind_the_deferred_ones(
     database: Database, repo: SqlOutboxRepository
 ) -> None:

@@ -301,8 +301,9 @@ class SqlOutboxRepository:
         pending_only: bool = False,
     ) -> tuple[int, list[ClaimedRow]]:
         params = _claim_params(owner=owner, now_ms=now_ms, lock_ms=lock_ms, limit=limit)
-        if retries:  # none of the rows this transaction finishes is claimed again by it (see the port)
-            params["b_due"] = min(now_ms, *(r.next_retry_at_ms - 1 for r in retries))
+        due = [r.next_retry_at_ms - 1 for r in retries if not r.failed]  # (a dead letter is never claimed)
+        if due:  # none of the rows this transaction finishes is claimed again by it (see the port)
+            params["b_due"] = min(now_ms, *due)
         delivered_params, retry_params = _finish_params(owner, now_ms, delivered, retries)
         changed: int
         rows: Sequence[Any]

@@ -545,11 +545,13 @@ class OutboxWorker:
             # whose finish is not written yet: held for this one's, or the claim ahead that was to
             # write it failed (extending a row finished meanwhile changes nothing: the write is guarded)
             ids = [r.id for r in rows]
+            ahead_ok = ahead is not None and ahead.done() and not ahead.cancelled() and ahead.exception() is None
             last = self._unfinished
-            if last is not None:
+            # (while the claim ahead runs, it is writing them: extending them then would only race it)
+            if last is not None and (ahead is None or (ahead.done() and not ahead_ok)):
                 ids.extend(d.row_id for d in last.delivered)
                 ids.extend(r.row_id for r in last.retries)
-            if ahead is not None and ahead.done() and not ahead.cancelled() and ahead.exception() is None:
+            if ahead_ok:
                 ids.extend(r.id for r in self._carried or ())
             return ids
 
