@@ -133,3 +133,16 @@ async def test_a_command_cancelled_in_the_queue_leaves_the_cell_of_a_room_being_
     assert (await create)["version"] == 1
     joined = await run(runtime, "r9", "jc", c.JoinRoom(user_id="carol"))
     assert joined["version"] == 2
+
+
+async def test_a_load_that_close_cancels_before_it_began_leaves_nothing_behind(runtime: Process) -> None:
+    """A load cancelled before its first step runs none of its code: its entry must still go, or every
+    later command on the room would await the cancelled load."""
+    registry = runtime.registry
+    waiter = asyncio.create_task(registry.cell(APP, "r5"))
+    await asyncio.sleep(0)  # the waiter's step: the load's task is made, not begun
+    assert (APP, "r5") in registry._loading
+    await registry.close()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert registry._loading == {}

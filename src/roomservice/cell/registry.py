@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -50,21 +51,25 @@ class CellRegistry:
         if cell is not None:
             return cell
         loading = self._loading.get(key)
-        if loading is None:
+        if loading is None or loading.done():  # (done: its callback has not run yet; its cell, if any, is gone)
             loading = self._loading[key] = asyncio.get_running_loop().create_task(
                 self._load_as(key), name=f"room-load:{app_code}/{room_id}"
             )
-            loading.add_done_callback(_retrieved)
+            # (a callback, not the coroutine's own finally: a task cancelled before it started runs no code)
+            loading.add_done_callback(functools.partial(self._loaded, key))
         return await asyncio.shield(loading)
 
     async def _load_as(self, key: Key) -> RoomCell:
         """The load of ``key``'s cell, registered once loaded."""
-        try:
-            cell = await self._load(*key)
-        finally:
-            del self._loading[key]
+        cell = await self._load(*key)
         self._cells[key] = cell
         return cell
+
+    def _loaded(self, key: Key, task: asyncio.Task[RoomCell]) -> None:
+        if self._loading.get(key) is task:
+            del self._loading[key]
+        if not task.cancelled():
+            task.exception()  # a load's failure is its callers' to raise; with none left, not left unretrieved
 
     async def _load(self, app_code: str, room_id: str) -> RoomCell:
         try:
@@ -158,9 +163,3 @@ class CellRegistry:
         await asyncio.gather(*loading, return_exceptions=True)
         for cell in list(self._cells.values()):
             await self.retire(cell)
-
-
-def _retrieved(task: asyncio.Task[RoomCell]) -> None:
-    """A load's failure is its callers' to raise; with none left (all went away), it is not left unretrieved."""
-    if not task.cancelled():
-        task.exception()
