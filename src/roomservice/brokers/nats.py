@@ -571,14 +571,17 @@ class NatsBroker:
         """The deliveries among ``msgs``. One whose settling fails here (a dead letter not written, another
         group's replay not acknowledged) stays out and comes back after the ack wait; the others go on."""
         out: list[Delivery] = []
+        failed: list[BaseException] = []
         for msg in msgs:
             try:
                 delivery = await self._admit(g, group, msg)
             except Exception as exc:
-                _log.warning("broker_nats_admit_failed", group=group, error=repr(exc))
+                failed.append(exc)
                 continue
             if delivery is not None:
                 out.append(delivery)
+        if failed:  # one line a fetch, not one a message, while the dead-letter stream or the link is down
+            _log.warning("broker_nats_admit_failed", group=group, messages=len(failed), error=repr(failed[0]))
         return out
 
     async def _admit(self, g: _Group, group: str, msg: Msg) -> Delivery | None:

@@ -134,7 +134,8 @@ class Broker(Protocol):
         """The consumer still holds ``delivery`` (it waits for its turn behind the same key's earlier
         one, say): it does not come back for ``visibility_s`` more from now, the visibility its fetch
         asked for (NATS restarts the group's ack wait, which the fetch set to it). A delivery acked
-        or redelivered since is left alone."""
+        since is left alone; one redelivered since is too, except on NATS, whose progress
+        acknowledgement names the message, not the delivery (its current delivery is held then)."""
         ...
 
     async def dead_letters(self, group: str, *, limit: int = 100) -> Sequence[DeadLetter]:

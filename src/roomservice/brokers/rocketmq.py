@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -570,11 +571,16 @@ class RocketMQBroker:
         await self._settle(receipt, lambda: receipt.consumer.ack(receipt.message))
 
     async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
-        """ChangeInvisibleDuration (whole seconds, at least one); the client keeps the new receipt handle
-        on the message, which a later ack or nack then uses."""
+        """ChangeInvisibleDuration (whole seconds, at least one). The answer carries a new receipt handle,
+        which the later ack or nack must use. The client writes it onto the message it is given before
+        it checks the answer's status (an error's, or a late answer after our timeout, would replace a
+        good handle), so it is given a copy, and the handle is taken over only from a call that succeeded."""
         receipt = _receipt(delivery)
         seconds = int(min(self.max_invisible_s, max(1, math.ceil(visibility_s))))
-        await self._settle(receipt, lambda: receipt.consumer.change_invisible_duration(receipt.message, seconds))
+        touched = copy.copy(receipt.message)
+        await self._settle(receipt, lambda: receipt.consumer.change_invisible_duration(touched, seconds))
+        if touched.receipt_handle:  # (a stale receipt, refused, is left as it was)
+            receipt.message.receipt_handle = touched.receipt_handle
 
     async def nack(self, delivery: Delivery, *, delay_s: float, reason: str = "") -> None:
         g = self._group(delivery.group)

@@ -235,6 +235,24 @@ async def test_a_stale_receipt_is_a_no_op(proxy: FakeRocketMQProxy, plain: Rocke
     assert await fetch(plain, topic, group, wait_s=1.5) == []
 
 
+async def test_a_refused_touch_keeps_the_receipt_the_ack_needs(proxy: FakeRocketMQProxy, plain: RocketMQBroker) -> None:
+    """The client writes the answer's receipt handle onto the message before it checks the status: a
+    refused ChangeInvisibleDuration replaced the good handle, and the ack after it was lost (found by
+    review). A touch works on a copy and takes a handle over only from a call that succeeded."""
+    topic, group = unique("topic"), unique("g")
+    await plain.declare_group(topic, group, max_deliveries=5)
+    await plain.publish(message(topic), timeout_s=5)
+    got = await fetch_until(plain, topic, group)
+    handle = got.receipt.message.receipt_handle  # type: ignore[attr-defined]
+    allowed, proxy.max_invisible_s = proxy.max_invisible_s, 0.5  # the touch's duration is refused now
+    with pytest.raises(BrokerError):
+        await plain.touch(got, visibility_s=1)
+    proxy.max_invisible_s = allowed
+    assert got.receipt.message.receipt_handle == handle  # type: ignore[attr-defined]
+    await plain.ack(got)
+    assert await fetch(plain, topic, group, wait_s=1.5) == []  # acknowledged: not back
+
+
 async def test_the_proxy_redelivers_after_the_invisible_duration_and_dead_letters_after_its_max_attempts(
     proxy: FakeRocketMQProxy,
 ) -> None:
