@@ -521,6 +521,25 @@ async def test_bulk_repair_to_named_targets(admin: OutboxAdmin, database: Databa
         assert (await row_of(database, o.new_event_id)).targets_done == "broker,im"
 
 
+async def test_a_bulk_repair_run_again_writes_no_second_repair(admin: OutboxAdmin, database: Database) -> None:
+    """A repair by filter run again (or resumed after a batch failed) leaves the originals it repaired
+    before: each original gets one repair event, not one a run (found by review). Named ids are repaired
+    again, as asked."""
+    await insert_rows(database, sample_rows())
+    first = await admin.replay_matching(OutboxFilter(), actor="ops", as_repair=True)
+    assert sorted(o.event_id for o in first.outcomes if o.result == "replayed") == ["f-1", "f-2"]
+    again = await admin.replay_matching(OutboxFilter(), actor="ops", as_repair=True)
+    assert sorted((o.event_id, o.result) for o in again.outcomes) == [
+        ("f-1", "already_repaired"),
+        ("f-2", "already_repaired"),
+    ]
+    assert again.to_dict()["already_repaired"] == 2
+    for original in ("f-1", "f-2"):  # one repair event each
+        assert [a.action for a in await audit_of(database, original)].count("repair") == 1
+    (named,) = (await admin.replay(["f-1"], actor="ops", as_repair=True)).outcomes
+    assert named.result == "replayed" and named.new_event_id is not None
+
+
 async def test_bulk_replay_in_batches_with_progress(admin: OutboxAdmin, database: Database) -> None:
     failed = [
         outbox_row(gift_event(f"bulk-{i}", room="r9"), status="failed", created_at_ms=T0 - HOUR, last_error="boom")

@@ -19,7 +19,10 @@ Replay (only rows in status ``failed``):
   envelope re-encoded with the new id and ``repair_of`` = the original's id
   (its root's, when the original is itself a repair). Audit: ``repair`` on the
   original (naming the new id), ``repair_of`` on the new row (naming the
-  original).
+  original). A repair by filter (:meth:`OutboxAdmin.replay_matching`) leaves an
+  original repaired before (``already_repaired``): run again, or resumed after
+  a failed batch, it writes no second repair of each; named ids are repaired
+  again, as asked.
 
   Targets: by default a repair goes only to the targets that had NOT succeeded
   for the original; ``targets`` (names from :data:`REPAIR_TARGETS`) names them
@@ -120,7 +123,7 @@ _ID_CRITERIA: Final = (
     ("room_id", ROOM_ID_PATTERN, valid_room_id),
 )
 
-ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable", "no_targets"]
+ReplayResult = Literal["replayed", "not_found", "not_failed", "undecodable", "no_targets", "already_repaired"]
 
 # The delivery targets an operator may name for a repair (``notice`` is a broker consumer, not a target).
 REPAIR_TARGETS: Final[tuple[str, ...]] = tuple(
@@ -458,6 +461,10 @@ class ReplayReport:
     def no_targets(self) -> int:
         return self._count("no_targets")
 
+    @property
+    def already_repaired(self) -> int:
+        return self._count("already_repaired")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "as_repair": self.as_repair,
@@ -468,6 +475,7 @@ class ReplayReport:
             "not_failed": self.not_failed,
             "undecodable": self.undecodable,
             "no_targets": self.no_targets,
+            "already_repaired": self.already_repaired,
             "results": [o.to_dict() for o in self.outcomes],
         }
 
@@ -492,6 +500,9 @@ _OLDEST_RETRYABLE: Final = select(func.min(_o.c.created_at_ms)).where(_o.c.statu
 
 _SHOW_ROW: Final = select(_o).where(_o.c.event_id == bindparam("event_id"))
 _SHOW_AUDIT: Final = select(_a).where(_a.c.event_id == bindparam("event_id")).order_by(_a.c.id)
+_REPAIRED: Final = (
+    select(_a.c.event_id).where(_a.c.action == "repair", _a.c.event_id.in_(bindparam("event_ids", expanding=True)))
+).distinct()
 
 _LOCK_BY_EVENT_IDS: Final = (
     select(_o).where(_o.c.event_id.in_(bindparam("event_ids", expanding=True))).with_for_update()
@@ -741,7 +752,8 @@ class OutboxAdmin:
         while True:
             batch_params = {**params, "after_id": after_id, "max_id": int(max_id), "limit": batch_size}
             outcomes, last_id = await self.db.run_long_write(
-                _replay_next_batch, statement, batch_params, self.clock(), actor, _Mode(as_repair, chosen)
+                _replay_next_batch, statement, batch_params, self.clock(), actor,
+                _Mode(as_repair, chosen, skip_repaired=True),
             )
             if last_id is None:
                 break
@@ -796,6 +808,9 @@ class _Mode:
 
     as_repair: bool
     targets: frozenset[str] | None = None
+    # a repair by filter leaves originals repaired before (a run again, or resumed after a failed batch,
+    # writes no second repair of each); named ids are repaired again, as asked
+    skip_repaired: bool = False
 
 
 def repair_targets(targets: Iterable[str] | None, *, as_repair: bool) -> frozenset[str] | None:
@@ -845,7 +860,20 @@ def _apply(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, m
     if not rows:
         return []
     if mode.as_repair:
-        return _repair(conn, rows, now_ms, actor, mode.targets)
+        if not mode.skip_repaired:
+            return _repair(conn, rows, now_ms, actor, mode.targets)
+        repaired = set(conn.execute(_REPAIRED, {"event_ids": [r.event_id for r in rows]}).scalars())
+        skipped = [
+            ReplayOutcome(
+                r.event_id,
+                "already_repaired",
+                f"{r.event_id} was repaired before (see its audit): no second repair by filter; name its id to",
+                status=_FAILED,
+            )
+            for r in rows
+            if r.event_id in repaired
+        ]
+        return skipped + _repair(conn, [r for r in rows if r.event_id not in repaired], now_ms, actor, mode.targets)
     changed = conn.execute(_REQUEUE, {"ids": [r.id for r in rows], "now_ms": now_ms}).rowcount
     if changed != len(rows):  # the rows are locked: only a concurrent writer ignoring locks gets here
         raise errors.Retry("outbox rows changed during the replay; nothing was replayed, retry")
