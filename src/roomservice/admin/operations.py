@@ -860,20 +860,7 @@ def _apply(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, m
     if not rows:
         return []
     if mode.as_repair:
-        if not mode.skip_repaired:
-            return _repair(conn, rows, now_ms, actor, mode.targets)
-        repaired = set(conn.execute(_REPAIRED, {"event_ids": [r.event_id for r in rows]}).scalars())
-        skipped = [
-            ReplayOutcome(
-                r.event_id,
-                "already_repaired",
-                f"{r.event_id} was repaired before (see its audit): no second repair by filter; name its id to",
-                status=_FAILED,
-            )
-            for r in rows
-            if r.event_id in repaired
-        ]
-        return skipped + _repair(conn, [r for r in rows if r.event_id not in repaired], now_ms, actor, mode.targets)
+        return _repair(conn, rows, now_ms, actor, mode)
     changed = conn.execute(_REQUEUE, {"ids": [r.id for r in rows], "now_ms": now_ms}).rowcount
     if changed != len(rows):  # the rows are locked: only a concurrent writer ignoring locks gets here
         raise errors.Retry("outbox rows changed during the replay; nothing was replayed, retry")
@@ -904,10 +891,23 @@ def _apply(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, m
     ]
 
 
-def _repair(
-    conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, named: frozenset[str] | None
-) -> list[ReplayOutcome]:
+def _repair(conn: Connection, rows: Sequence[_AnyRow], now_ms: int, actor: str, mode: _Mode) -> list[ReplayOutcome]:
+    named = mode.targets
     outcomes: list[ReplayOutcome] = []
+    if mode.skip_repaired:
+        repaired = set(conn.execute(_REPAIRED, {"event_ids": [r.event_id for r in rows]}).scalars())
+        outcomes.extend(
+            ReplayOutcome(
+                r.event_id,
+                "already_repaired",
+                f"{r.event_id} was repaired before (see its audit): no second repair by filter; "
+                "name its id to repair it again",
+                status=_FAILED,
+            )
+            for r in rows
+            if r.event_id in repaired
+        )
+        rows = [r for r in rows if r.event_id not in repaired]
     new_rows: list[dict[str, Any]] = []
     audits: list[dict[str, Any]] = []
     for r in rows:

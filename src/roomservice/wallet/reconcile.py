@@ -41,6 +41,14 @@ class ReconcileReport:
     refunded: int = 0
     errors: int = 0
 
+    def __add__(self, other: ReconcileReport) -> ReconcileReport:
+        return ReconcileReport(
+            self.checked + other.checked,
+            self.claimed + other.claimed,
+            self.refunded + other.refunded,
+            self.errors + other.errors,
+        )
+
 
 class Reconciler:
     def __init__(
@@ -70,15 +78,13 @@ class Reconciler:
         elsewhere, the wallet refusing) stays for the next pass, and the pages go on past it, so entries
         that keep failing never hold up the ones behind them."""
         before_ms = self._clock() - self._after_ms
-        checked = claimed = refunded = errors = 0
+        report = ReconcileReport()
         after: tuple[int, str] | None = None
         while True:
             entries = await self._journal.older_than(before_ms, limit=self._batch_size, after=after)
-            page = await self._reconcile(entries)
-            checked, claimed = checked + page.checked, claimed + page.claimed
-            refunded, errors = refunded + page.refunded, errors + page.errors
+            report += await self._reconcile(entries)
             if len(entries) < self._batch_size:
-                return ReconcileReport(checked, claimed, refunded, errors)
+                return report
             after = (entries[-1].created_at_ms, entries[-1].debit_key)
 
     async def _reconcile(self, entries: list[JournalEntry]) -> ReconcileReport:
