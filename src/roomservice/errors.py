@@ -40,7 +40,7 @@ codes) are translated into this tree at the adapter that uses them.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class RoomServiceError(Exception):
@@ -52,7 +52,8 @@ class RoomServiceError(Exception):
         self.message = message or self.default_message
         super().__init__(self.message)
 
-    def to_body(self) -> dict[str, dict[str, str]]:
+    def to_body(self) -> dict[str, Any]:
+        """The one error shape of SPEC §8; a subclass may add keys beside ``error``, never inside it."""
         return {"error": {"code": self.code, "message": self.message}}
 
 

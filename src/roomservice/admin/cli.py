@@ -50,6 +50,7 @@ from roomservice.admin.operations import (
     OutboxRowDetail,
     OutboxRowView,
     OutboxStats,
+    ReplayInterrupted,
     ReplayReport,
     check_event_ids,
     repair_targets,
@@ -285,22 +286,32 @@ def replay_command(
         if status is not None or has_filters:
             _fail("give either EVENT_ID... or --status failed with filters, not both")
         _event_ids(event_ids)
-        report = _run(
+        report, stopped = _run(
             config,
             data_dir,
-            lambda admin: admin.replay(event_ids, actor=_actor(), as_repair=as_repair, targets=chosen),
+            lambda admin: _partial(admin.replay(event_ids, actor=_actor(), as_repair=as_repair, targets=chosen)),
         )
-        _finish_replay(report, as_json=as_json, bulk=False)
+        _finish_replay(report, as_json=as_json, bulk=False, stopped=stopped)
         return
     if status is None:
         _fail("nothing to replay: give EVENT_ID... or --status failed [filters]")
     if status.strip() != "failed":
         _fail(f"replay takes only --status failed (dead letters), not {status!r}")
     flt = _filter(["failed"], event_type, app, room, older_than, newer_than, error)
-    report = _run(
-        config, data_dir, lambda admin: _bulk_replay(admin, flt, as_repair=as_repair, targets=chosen, yes=yes)
+    report, stopped = _run(
+        config,
+        data_dir,
+        lambda admin: _partial(_bulk_replay(admin, flt, as_repair=as_repair, targets=chosen, yes=yes)),
     )
-    _finish_replay(report, as_json=as_json, bulk=True)
+    _finish_replay(report, as_json=as_json, bulk=True, stopped=stopped)
+
+
+async def _partial(work: Awaitable[ReplayReport]) -> tuple[ReplayReport, ReplayInterrupted | None]:
+    """The replay's report; when a later batch failed, the committed batches' report and why it stopped."""
+    try:
+        return await work, None
+    except ReplayInterrupted as exc:
+        return exc.report, exc
 
 
 async def _bulk_replay(
@@ -414,9 +425,14 @@ def _print_detail(detail: OutboxRowDetail) -> None:
     console.print(audit)
 
 
-def _finish_replay(report: ReplayReport, *, as_json: bool, bulk: bool) -> None:
+def _finish_replay(
+    report: ReplayReport, *, as_json: bool, bulk: bool, stopped: ReplayInterrupted | None = None
+) -> None:
     if as_json:
-        _echo_json(report.to_dict())
+        body = report.to_dict()
+        if stopped is not None:  # what was done, and why it stopped (the error shape of SPEC §8)
+            body["error"] = stopped.to_body()["error"]
+        _echo_json(body)
     else:
         console = _console()
         if bulk:
@@ -431,6 +447,8 @@ def _finish_replay(report: ReplayReport, *, as_json: bool, bulk: bool) -> None:
         else:
             for o in report.outcomes:
                 console.print(f"{o.result}: {escape(o.message)}")
+    if stopped is not None:
+        _fail(stopped.message, 1)
     if report.not_found:
         missing = ", ".join(o.event_id for o in report.outcomes if o.result == "not_found")
         _fail(f"no outbox row with event_id {missing}")

@@ -35,6 +35,12 @@ Replay (only rows in status ``failed``):
   service and the IM publisher's sent record key on the original's id
   (:func:`~roomservice.domain.events.dedup_id`).
 
+A replay of many rows runs in batches. When a batch fails after others committed (the
+database went away), :class:`ReplayInterrupted` — an ``unavailable`` error — carries the
+report of the committed batches: the HTTP answer (503) gives it beside the error, the CLI
+and the console print it. The failing batch's own outcome is unknown; running the same
+replay again goes on where it stopped (its replayed rows are no longer ``failed``).
+
 Each batch is one write transaction: the rows are read with ``FOR UPDATE`` (a
 no-op on SQLite, whose write transaction already holds the database lock), the
 update is guarded by ``status = 'failed'`` and the audit rows are inserted in
@@ -56,9 +62,10 @@ who pasted a stray character learns that the id is malformed, not missing.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Final, Literal, TypeAlias
@@ -484,6 +491,22 @@ class ReplayReport:
 
 _o, _a = room_outbox, room_outbox_audit
 _FAILED: Final = Status.FAILED.value
+
+
+class ReplayInterrupted(errors.Unavailable):
+    """A batch failed after earlier batches of the same replay committed: ``report`` holds theirs."""
+
+    def __init__(self, report: ReplayReport, cause: errors.RoomServiceError, *, total: int) -> None:
+        self.report = report
+        self.cause = cause
+        done = len(report.outcomes)
+        super().__init__(
+            f"replay stopped after {done} of {total} row(s): {cause.message}; the rows reported are done, "
+            "the batch in flight may or may not be: run the same replay again to go on"
+        )
+
+    def to_body(self) -> dict[str, Any]:
+        return {**super().to_body(), "report": self.report.to_dict()}
 _PENDING: Final = Status.PENDING.value
 
 _AnySelect: TypeAlias = Select[*tuple[Any, ...]]
@@ -697,7 +720,10 @@ class OutboxAdmin:
             progress(0, len(ids))
         for start in range(0, len(ids), batch_size):
             chunk = ids[start : start + batch_size]
-            outcomes = await self.db.run_long_write(_replay_ids, chunk, self.clock(), actor, _Mode(as_repair, chosen))
+            with _interruption(report, total=len(ids)):
+                outcomes = await self.db.run_long_write(
+                    _replay_ids, chunk, self.clock(), actor, _Mode(as_repair, chosen)
+                )
             report.outcomes.extend(outcomes)
             self._notify(outcomes)
             if progress is not None:
@@ -751,10 +777,11 @@ class OutboxAdmin:
         after_id = 0
         while True:
             batch_params = {**params, "after_id": after_id, "max_id": int(max_id), "limit": batch_size}
-            outcomes, last_id = await self.db.run_long_write(
-                _replay_next_batch, statement, batch_params, self.clock(), actor,
-                _Mode(as_repair, chosen, skip_repaired=True),
-            )
+            with _interruption(report, total=total):
+                outcomes, last_id = await self.db.run_long_write(
+                    _replay_next_batch, statement, batch_params, self.clock(), actor,
+                    _Mode(as_repair, chosen, skip_repaired=True),
+                )
             if last_id is None:
                 break
             after_id = last_id
@@ -767,6 +794,17 @@ class OutboxAdmin:
     def _notify(self, outcomes: Iterable[ReplayOutcome]) -> None:
         if self.on_requeued is not None and any(o.result == "replayed" for o in outcomes):
             self.on_requeued()
+
+
+@contextlib.contextmanager
+def _interruption(report: ReplayReport, *, total: int) -> Iterator[None]:
+    """A batch's failure after earlier batches committed is :class:`ReplayInterrupted` with their report."""
+    try:
+        yield
+    except (errors.Unavailable, errors.Retry) as exc:
+        if not report.outcomes:
+            raise
+        raise ReplayInterrupted(report, exc, total=total) from exc
 
 
 # --------------------------------------------------------------------------- units (run in one hop)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from roomservice import errors
-from roomservice.admin.operations import ReplayReport
+from roomservice.admin.operations import ReplayInterrupted, ReplayReport
 from roomservice.observability.logging import get_logger
 
 _log = get_logger("roomservice.console")
@@ -84,6 +84,9 @@ class Jobs:
     async def _run(self, job: Job, work: Callable[[Progress], Awaitable[ReplayReport]]) -> None:
         try:
             report = await work(job.progress)
+        except ReplayInterrupted as exc:  # later batch failed: show what the committed ones did
+            job.state, job.error = "failed", str(exc)
+            self._summarise(job, exc.report)
         except errors.RoomServiceError as exc:
             job.state, job.error = "failed", str(exc)
         except Exception as exc:
@@ -92,11 +95,15 @@ class Jobs:
         else:
             job.state = "done"
             job.done = job.total = max(job.total, len(report.outcomes))
-            job.summary = {k: v for k, v in report.to_dict().items() if k != "results"}
-            job.summary["messages"] = [o.message for o in report.outcomes if o.result != "replayed"][:20]
+            self._summarise(job, report)
         finally:
             job.finished_at = time.time()
             _log.info("console_job_finished", job=job.id, title=job.title, operator=job.operator, state=job.state)
+
+    @staticmethod
+    def _summarise(job: Job, report: ReplayReport) -> None:
+        job.summary = {k: v for k, v in report.to_dict().items() if k != "results"}
+        job.summary["messages"] = [o.message for o in report.outcomes if o.result != "replayed"][:20]
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
