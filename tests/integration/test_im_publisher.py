@@ -312,6 +312,25 @@ async def test_a_repair_sent_inside_the_window_is_absorbed_as_its_original(
     assert len(sandbox.state.messages(group_of())) == 1
 
 
+async def test_a_repair_past_the_window_names_its_original_so_clients_can_drop_it(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    """Past Tencent's window nothing absorbs a repair whose original went out unrecorded: clients get it
+    twice, and can only tell it is the same event if its Data names the original's event_id, as the
+    original's did (it named the repair's own id before; found by review)."""
+    await room_with_group(publisher)
+    ev = joined()
+    await publish(publisher, ev)
+    await wipe_steps(database)
+    sandbox.state.advance_clock(301)
+    repair = e.Event(uuid.uuid4().hex, ev.app_code, ev.room_id, ev.room_version, ev.occurred_at_ms, ev.payload,
+                     repair_of=ev.event_id)
+    await publish(publisher, repair)
+    first, second = custom_data(sandbox)
+    assert first["event_id"] == second["event_id"] == ev.event_id
+    assert first == second  # the same event to a client, whichever of the two it keeps
+
+
 async def test_tencent_window_absorbs_quick_resends_and_our_record_covers_the_rest(
     publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
 ) -> None:

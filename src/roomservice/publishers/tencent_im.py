@@ -5,7 +5,8 @@ Per SPEC §3/§5:
 * RoomCreated -> EnsureGroup: import the owner's account, create the group; "exists and
   you own it" (10025) is success, "taken by someone else" (10021) is permanent.
 * every other event -> one group custom message (TIMCustomElem) whose ``Data`` is JSON
-  ``{event_id, type, room_version, payload}`` and whose ``Random`` derives from event_id,
+  ``{event_id, type, room_version, payload}`` and whose ``Random`` derives from event_id
+  (both the original's for a repair event: :func:`~roomservice.domain.events.dedup_id`),
   so Tencent's 5-minute duplicate window absorbs quick re-sends;
 * RoomUserKicked -> membership control by group type first (delete the member; on an
   AVChatRoom ban them, falling back to muting them for the ban length);
@@ -140,10 +141,14 @@ def _done_all(conn: sa.Connection, event_ids: list[str]) -> list[set[str]]:
 
 
 def message_data(event: e.Event) -> str:
-    """The custom message's ``Data``: what clients need to reconcile with the room view."""
+    """The custom message's ``Data``: what clients need to reconcile with the room view.
+
+    ``event_id`` is the event's :func:`~roomservice.domain.events.dedup_id`: a repair names
+    its original, so a client that got the original and, past Tencent's duplicate window,
+    its repair sees one event twice (same Data) and keeps it once."""
     return json.dumps(
         {
-            "event_id": event.event_id,
+            "event_id": e.dedup_id(event),
             "type": event.type,
             "room_version": event.room_version,
             "payload": event.payload.to_dict(),
