@@ -11,6 +11,7 @@ test wants; the consumer runtime or direct ``handle()`` calls consume them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -419,7 +420,7 @@ async def test_a_close_past_its_bound_sends_the_earlier_messages_itself_before_d
         with pytest.raises(RetryableError):
             await handler.handle(delivery(ev))
     clock.offset_ms = 6_000
-    with pytest.raises(RetryableError):  # past the bound, but IM is down: the close cannot destroy either
+    with pytest.raises(Redeliver, match="3 failed for now"):  # past the bound, but IM is down: no destroy
         await handler.handle(delivery(close))
     assert ids_in_im(sandbox) == [] and not destroyed(sandbox)
     sandbox.state.set_outage(None)
@@ -429,6 +430,77 @@ async def test_a_close_past_its_bound_sends_the_earlier_messages_itself_before_d
     assert destroyed(sandbox)
     assert [entry for entry in logs if entry["event"] == "im_close_forced"] == []  # nothing had to be left out
     assert await handle_all(handler, [joined, gift, kick]) == [Outcome.DUPLICATE] * 3  # their own deliveries
+
+
+async def test_a_close_past_its_bound_does_not_destroy_over_a_transient_error_of_an_earlier_message(
+    make_handler: Make, sandbox: RunningSandbox, database: Database, clock: Clock
+) -> None:
+    """IM flaky, not down: the earlier message the close sends itself gets one "try again" (10002)
+    while the close's own steps would succeed. Destroying then swallowed the message for good (its own
+    redelivery found the group destroyed and recorded it done; found by review). The close waits again."""
+    room = Room()
+    created = room.next(e.RoomCreated(owner_id=OWNER, title="t", seat_count=8))
+    joined = room.next(e.RoomUserJoined(user_id="bob", role="member"))
+    close = room.next(e.RoomClosed(operator_id=OWNER))
+    await commit(database, created, joined, close)
+    handler = make_handler(close_wait_s=5, max_deliveries=17)
+    await handler.handle(delivery(created))
+    clock.offset_ms = 6_000  # past the bound: the join is still backing off
+    sandbox.state.inject_error("send_group_msg", 10002, "internal error, retry", count=1)
+    with pytest.raises(Redeliver, match="1 failed for now"):
+        await handler.handle(delivery(close))
+    assert ids_in_im(sandbox) == [] and not destroyed(sandbox)
+    assert await handler.handle(delivery(close, count=2)) is Outcome.APPLIED
+    assert ids_in_im(sandbox) == [joined.event_id, close.event_id]
+    assert destroyed(sandbox)
+
+
+async def test_what_one_delivery_had_no_time_for_is_sent_by_the_next_before_the_destroy(
+    make_handler: Make, sandbox: RunningSandbox, database: Database, clock: Clock
+) -> None:
+    """The close sends its earlier messages under one publish deadline; those it had no time for
+    are not poison: the close is redelivered and sends them, and only then destroys."""
+    room = Room()
+    created = room.next(e.RoomCreated(owner_id=OWNER, title="t", seat_count=8))
+    earlier = [room.next(e.RoomUserJoined(user_id=f"u{i}", role="member")) for i in range(4)]
+    close = room.next(e.RoomClosed(operator_id=OWNER))
+    await commit(database, created, *earlier, close)
+    handler = make_handler(close_wait_s=5, max_deliveries=17, publish_timeout_s=0.5)
+    await handler.handle(delivery(created))
+    clock.offset_ms = 6_000
+    sandbox.state.set_latency(0.2, "send_group_msg")  # slow, not down: about two fit in one deadline
+    with pytest.raises(Redeliver, match="failed for now"):
+        await handler.handle(delivery(close))
+    assert 0 < len(ids_in_im(sandbox)) < len(earlier) and not destroyed(sandbox)
+    outcome: Outcome | None = None
+    for count in range(2, 10):  # each delivery sends what its deadline allows
+        with contextlib.suppress(Redeliver):
+            outcome = await handler.handle(delivery(close, count=count))
+            break
+        assert not destroyed(sandbox)
+    assert outcome is Outcome.APPLIED
+    assert ids_in_im(sandbox) == [ev.event_id for ev in [*earlier, close]]  # none lost, in order
+    assert destroyed(sandbox)
+
+
+async def test_on_its_last_delivery_a_close_destroys_past_a_transient_failure(
+    make_handler: Make, sandbox: RunningSandbox, database: Database, clock: Clock
+) -> None:
+    """The bound on the wait stays: the last delivery forces past whatever is left, and names it."""
+    room = Room()
+    created = room.next(e.RoomCreated(owner_id=OWNER, title="t", seat_count=8))
+    joined = room.next(e.RoomUserJoined(user_id="bob", role="member"))
+    close = room.next(e.RoomClosed(operator_id=OWNER))
+    await commit(database, created, joined, close)
+    handler = make_handler(close_wait_s=5, max_deliveries=3)
+    await handler.handle(delivery(created))
+    clock.offset_ms = 6_000
+    sandbox.state.inject_error("send_group_msg", 10002, "internal error, retry", count=1)
+    with capture_logs() as logs:
+        assert await handler.handle(delivery(close, count=3)) is Outcome.APPLIED
+    assert destroyed(sandbox)
+    (forced,) = [entry for entry in logs if entry["event"] == "im_close_forced"]
+    assert "10002" in forced["errors"][joined.event_id]
 
 
 async def test_a_poison_earlier_message_holds_the_close_only_for_its_bound_and_nothing_else(

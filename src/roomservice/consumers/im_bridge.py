@@ -29,8 +29,11 @@ only the close needs order:
   handler sends the still-unsent earlier events itself, in ``room_version`` order and under
   one ``publish_timeout_s`` deadline (re-ordering them before the close; this is what
   makes a long IM outage lose nothing: the close cannot destroy while IM is down, and once
-  IM is back it sends what it waited for first), and whatever still fails — a poison
-  message — is named in ``im_close_forced`` and the group is destroyed anyway. A poison
+  IM is back it sends what it waited for first). An earlier event that failed for now — a
+  retryable IM error, or left untried when the deadline ran out — redelivers the close
+  again (it is no poison; destroying would swallow it), until the close's last delivery.
+  Whatever fails for good — a poison message: it does not decode, or IM refuses it
+  permanently — is named in ``im_close_forced`` and the group is destroyed anyway. A poison
   message so holds up only itself and, for at most ``close_wait_s``, its room's close.
   Each wait is a delivery to the broker (its count goes up): with the defaults (0.5 s
   doubling, capped at 5 s, 30 s bound) a close takes about ten deliveries at most. Give the
@@ -93,6 +96,14 @@ class EarlierEvent:
 
     def describe(self) -> str:
         return f"{self.event_id} ({self.event_type} v{self.room_version})"
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """Why an earlier event the close sent itself is still unsent, and whether trying again may help."""
+
+    error: str
+    retryable: bool
 
 
 def decode(body: bytes) -> e.Event:
@@ -197,8 +208,8 @@ class ImBridgeHandler:
         waited_s = (self.clock() - close.occurred_at_ms) / 1000
         remaining_s = self.close_wait_s - waited_s
         last = self.max_deliveries is not None and delivery.delivery_count >= self.max_deliveries
+        grown = self.close_poll_s * 2 ** min(max(delivery.delivery_count - 1, 0), 16)
         if remaining_s > 0 and not last:  # a wait on the last delivery would dead-letter the close
-            grown = self.close_poll_s * 2 ** min(max(delivery.delivery_count - 1, 0), 16)
             delay_s = min(grown, self.close_poll_max_s, remaining_s)
             if self.max_deliveries is not None and delivery.delivery_count + 1 >= self.max_deliveries:
                 delay_s = remaining_s  # one delivery left: spend it at the bound
@@ -210,6 +221,17 @@ class ImBridgeHandler:
             )
         failed = await self._send_earlier(unsent)
         still = await self.unsent_before(close)
+        transient = [u for u in still if u.event_id not in failed or failed[u.event_id].retryable]
+        if transient and not last:
+            # "try again" from IM, or out of this delivery's time, is no poison: destroying now would
+            # swallow the message (its own redelivery then finds the group destroyed, and records it done)
+            raise Redeliver(
+                max(0.01, min(grown, self.close_poll_max_s)),
+                f"RoomClosed {close.event_id} sent {len(unsent) - len(still)} earlier IM event(s) of "
+                f"{close.app_code}/{close.room_id} itself; {len(transient)} failed for now: "
+                + ", ".join(f"{u.describe()}: {failed[u.event_id].error if u.event_id in failed else 'unsent'}"
+                            for u in transient[:3]),
+            )
         if still:
             _log.warning(
                 "im_close_forced",
@@ -220,28 +242,28 @@ class ImBridgeHandler:
                 waited_s=round(waited_s, 3),
                 unsent_count=len(still),
                 unsent=[u.describe() for u in still[:_NAMED_IN_LOG]],
-                errors={u.event_id: failed[u.event_id] for u in still[:_NAMED_IN_LOG] if u.event_id in failed},
+                errors={u.event_id: failed[u.event_id].error for u in still[:_NAMED_IN_LOG] if u.event_id in failed},
             )
 
-    async def _send_earlier(self, unsent: Sequence[EarlierEvent]) -> dict[str, str]:
+    async def _send_earlier(self, unsent: Sequence[EarlierEvent]) -> dict[str, _Failed]:
         """Send the close's unsent earlier events ourselves, in room_version order, under one
-        deadline; what fails is left for the caller to name. Returns event_id -> error."""
+        deadline; what fails is left for the caller to judge and name. Returns event_id -> why."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.publish_timeout_s
-        failed: dict[str, str] = {}
+        failed: dict[str, _Failed] = {}
         for earlier in unsent:
             if loop.time() >= deadline:
-                failed[earlier.event_id] = "not tried: out of time"
+                failed[earlier.event_id] = _Failed("not tried: out of time", retryable=True)
                 continue
             try:
                 event = decode_event(earlier.payload)
             except Exception as exc:
-                failed[earlier.event_id] = f"does not decode: {type(exc).__name__}"
+                failed[earlier.event_id] = _Failed(f"does not decode: {type(exc).__name__}", retryable=False)
                 continue
             try:
                 await self._publish(event, earlier.payload, deadline=deadline)
             except PublishError as exc:
-                failed[earlier.event_id] = f"{exc.code}: {exc.message}"
+                failed[earlier.event_id] = _Failed(f"{exc.code}: {exc.message}", retryable=exc.retryable)
         return failed
 
 
