@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
 import pytest
 import sqlalchemy as sa
 from tests.service.conftest import T0, Clock
@@ -16,7 +17,7 @@ from roomservice.outbox.policy import RetryPolicy
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.outbox.worker import OutboxWorker, WorkerOptions
 from roomservice.publishers.broker import BrokerPublisher
-from roomservice.publishers.port import PublisherSet
+from roomservice.publishers.port import PermanentError, PublisherSet, RetryableError
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.wire import decode_event
@@ -105,11 +106,12 @@ async def test_a_pipelined_acknowledgement_failing_with_a_broker_error_ends_as_t
     database: Database, clock: Clock
 ) -> None:
     """The worker turns the broker's own error into the publisher port's (retry or dead letter)."""
-    ok, down, refused = (make_event(JOINED, room=f"r{n}") for n in range(3))
-    await insert_rows(database, ok, down, refused)
+    ok, down, refused, odd = (make_event(JOINED, room=f"r{n}") for n in range(4))
+    await insert_rows(database, ok, down, refused, odd)
     broker = PipeliningFakeBroker()
     broker.fail[down.event_id] = BrokerUnavailable("reconnecting")
     broker.fail[refused.event_id] = BrokerError("message too large")
+    broker.fail[odd.event_id] = RuntimeError("client library hiccup")  # unclassified: retried, not dead
     worker = mq_worker(database, clock, broker)
     assert worker.publishers.get(BROKER).pipelined  # type: ignore[union-attr]
     await worker.run_once()
@@ -119,3 +121,29 @@ async def test_a_pipelined_acknowledgement_failing_with_a_broker_error_ends_as_t
     assert r.last_error == "broker: broker fake unavailable: reconnecting"
     r = await row(database, refused.event_id)
     assert (r.status, r.last_error) == ("failed", "broker: broker fake refused the event: message too large")
+    r = await row(database, odd.event_id)
+    assert (r.status, r.retry_count) == ("retryable", 1)
+    assert r.last_error == "broker: broker fake: RuntimeError: client library hiccup"
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (BrokerUnavailable("reconnecting"), RetryableError),
+        (TimeoutError(), RetryableError),
+        (BrokerError("message too large"), PermanentError),
+        (PermanentError("already decided"), PermanentError),
+        (RuntimeError("a client library's own error"), RetryableError),
+        (nats.js.errors.NotFoundError(), RetryableError),  # e.g. the stream deleted under a publish
+    ],
+    ids=["unavailable", "timeout", "broker-error", "permanent", "runtime", "nats-not-found"],
+)
+async def test_only_what_the_port_calls_final_is_a_dead_letter(
+    raised: Exception, expected: type[Exception]
+) -> None:
+    """The port names BrokerError alone as what retrying cannot fix; anything unclassified is retried
+    like an outage, as the worker retries an unclassified publisher error (found by review: it was a
+    dead letter on the first attempt)."""
+    broker = FakeBroker()
+    publisher = BrokerPublisher(broker, topic=TOPIC)
+    assert isinstance(publisher.failure(raised), expected)

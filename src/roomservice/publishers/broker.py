@@ -12,11 +12,11 @@ import asyncio
 from collections.abc import Mapping
 from typing import NoReturn, cast
 
-from roomservice.brokers.port import Broker, BrokerUnavailable, OutgoingMessage, PipelinedBroker
+from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable, OutgoingMessage, PipelinedBroker
 from roomservice.domain.events import Event
 from roomservice.domain.routing import Target
 from roomservice.observability import tracing
-from roomservice.publishers.port import PermanentError, RetryableError
+from roomservice.publishers.port import PermanentError, PublishError, RetryableError
 
 
 def room_sharding_key(app_code: str, room_id: str) -> str:
@@ -134,12 +134,15 @@ class BrokerPublisher:
         """The publisher port's error for what the broker raised (``exc`` itself when it passes)."""
         if isinstance(exc, BrokerUnavailable):
             return RetryableError(f"broker {self.broker.name} unavailable: {exc}")
-        if isinstance(exc, RetryableError) or not isinstance(exc, Exception):
+        if isinstance(exc, PublishError) or not isinstance(exc, Exception):
             return exc
         if isinstance(exc, TimeoutError):  # an adapter's own timer ran out first
             return RetryableError(f"broker {self.broker.name}: no acknowledgement before the deadline")
-        if getattr(exc, "retryable", False):
-            return RetryableError(f"broker {self.broker.name}: {exc}")
-        # refused for good (name, size): a dead letter, not a retry loop
-        return PermanentError(f"broker {self.broker.name} refused the event: {exc}")
+        if isinstance(exc, BrokerError) and not exc.retryable:
+            # refused for good (name, size): a dead letter, not a retry loop
+            return PermanentError(f"broker {self.broker.name} refused the event: {exc}")
+        # anything an adapter did not classify (a client library's own error, a bug) is retried with
+        # backoff, as the worker retries an unclassified publisher error: the port names BrokerError
+        # alone as what retrying cannot fix, and a dead letter on the first attempt needs a replay
+        return RetryableError(f"broker {self.broker.name}: {type(exc).__name__}: {exc}")
 
