@@ -28,6 +28,8 @@ from roomservice.api import grpc as room_grpc
 from roomservice.api.app import ApiContext, create_app
 from roomservice.api.errors import HTTP_STATUS
 from roomservice.bootstrap import API, MAINTENANCE, Process
+from roomservice.brokers.port import Delivery
+from roomservice.consumers.treasure_open import TreasureOpenHandler
 from roomservice.domain import commands as c
 from roomservice.domain.events import Event, RoomTreasureCountdownStarted
 from roomservice.forwarding import HOP_KEY, SECRET_KEY, Forwarder
@@ -35,7 +37,8 @@ from roomservice.leases.port import LeaseOwner
 from roomservice.proto import room_api_pb2 as pb
 from roomservice.proto import room_api_pb2_grpc as pb_grpc
 from roomservice.service import RoomService
-from roomservice.timers.treasure import DatabaseTreasureTimer, FireReport
+from roomservice.timers.delay_message import TreasureWakeup
+from roomservice.timers.treasure import DatabaseTreasureTimer, FireReport, is_permanent
 from roomservice.wallet.fake import FakeWallet
 
 BASE = "/v1/apps/demo/rooms"
@@ -521,6 +524,42 @@ async def test_the_durable_timer_of_a_process_without_the_room_opens_it_at_the_o
     assert peer.forwarded == 2
     view = room_grpc.to_dict(await faces.stub.GetRoom(pb.GetRoomRequest(app_code="demo", room_id="r1")))
     assert view["treasure"]["box_id"] is None and view["treasure"]["level"] == 1
+
+
+async def test_a_wakeup_that_fails_at_the_owner_is_retried_by_both_wakeup_paths(process: Process) -> None:
+    """An unexpected exception at the room's owner crosses the hop as ``internal``: the broker's wake-up
+    handler and the durable timer retry it, as they retry the same exception here (found by review: both
+    acknowledged it as permanent and the box never opened)."""
+
+    async def broken(*_: Any, **__: Any) -> dict[str, Any]:
+        raise RuntimeError("a bug at the owner, before its commit")
+
+    api = await room_grpc.start_room_api(
+        process.service, servicer=room_grpc.RoomApiServicer(process.service, execute=broken)
+    )
+    fwd = Forwarder(
+        cast(RoomService, _HoldsNothing()), leases=cast(Any, _HeldBy(api.target)), shared_secret=SECRET, timeout_s=5.0
+    )
+    wake = c.OpenTreasure(box_id="20260528-1", level=1, open_at_ms=T0)
+    wakeup = TreasureWakeup("demo", "r1", wake.box_id, 1, T0, c.treasure_open_command_id(wake.box_id))
+    delivery = Delivery("t", "g", "1", wakeup.key, "TreasureOpen", "demo:r1", wakeup.encode(), {}, 1, T0)
+    try:
+        handler = TreasureOpenHandler(fwd.execute, group="g", topic="t", clock=lambda: T0)
+        with pytest.raises(errors.RoomServiceError) as failed:
+            await handler.handle(delivery)
+        assert failed.value.code == "internal" and not is_permanent(failed.value)
+        countdown = RoomTreasureCountdownStarted(
+            box_id=wake.box_id, level=1, open_at_ms=T0, open_command_id=wakeup.command_id
+        )
+        timer = DatabaseTreasureTimer(process.db, clock=lambda: T0, owner="A")
+        await timer.schedule(
+            Event(event_id="e1", app_code="demo", room_id="r1", room_version=3, occurred_at_ms=T0, payload=countdown)
+        )
+        assert await timer.fire_due(fwd.execute) == FireReport(failed=1)
+        assert fwd.forwarded == 2
+    finally:
+        await fwd.aclose()
+        await api.stop(0)
 
 
 async def test_a_malformed_open_treasure_request_is_invalid_argument(faces: Faces) -> None:

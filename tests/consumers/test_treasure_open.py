@@ -9,7 +9,7 @@ import pytest
 from roomservice import errors
 from roomservice.brokers.port import Delivery
 from roomservice.consumers.runtime import Outcome, Redeliver
-from roomservice.consumers.treasure_open import TreasureOpenHandler
+from roomservice.consumers.treasure_open import TOO_EARLY_MAX_S, TreasureOpenHandler
 from roomservice.domain.commands import OpenTreasure
 from roomservice.timers.delay_message import TreasureWakeup
 
@@ -29,7 +29,7 @@ class Opener:
         return answer
 
 
-def delivery(open_at_ms: int = NOW, body: bytes | None = None) -> Delivery:
+def delivery(open_at_ms: int = NOW, body: bytes | None = None, count: int = 1) -> Delivery:
     wakeup = TreasureWakeup("demo", "r1", "20260528-1", 1, open_at_ms, "treasure-open:20260528-1")
     return Delivery(
         topic="hyapp_room_treasure_open",
@@ -40,7 +40,7 @@ def delivery(open_at_ms: int = NOW, body: bytes | None = None) -> Delivery:
         sharding_key="demo:r1",
         body=wakeup.encode() if body is None else body,
         headers={},
-        delivery_count=1,
+        delivery_count=count,
         published_at_ms=NOW - 60_000,
     )
 
@@ -75,6 +75,20 @@ async def test_the_rooms_too_early_answer_is_redelivered_at_its_open_at() -> Non
     assert again.value.delay_s == pytest.approx(2.0)
 
 
+async def test_a_room_whose_clock_is_behind_is_asked_again_after_a_doubling_floor() -> None:
+    """This process finds the box due; the room's owner, its clock behind, answers "too early" for a
+    time already past here. Each redelivery counts against the group's limit: a fixed 50 ms wait spent
+    all 17 in under a second of skew and dead-lettered the box (found by review). The floor doubles."""
+    delays = []
+    for count in range(1, 17):
+        with pytest.raises(Redeliver) as again:
+            await handler(Opener(errors.TreasureTooEarly(NOW))).handle(delivery(count=count))
+        delays.append(again.value.delay_s)
+    assert delays[:4] == pytest.approx([0.1, 0.2, 0.4, 0.8])
+    assert max(delays) == TOO_EARLY_MAX_S
+    assert sum(delays) > 180  # minutes of skew before the group's limit (16 redeliveries), not a second
+
+
 async def test_an_answer_retrying_cannot_change_is_acknowledged() -> None:
     assert await handler(Opener(errors.RoomNotFound())).handle(delivery()) is Outcome.APPLIED
 
@@ -82,6 +96,19 @@ async def test_an_answer_retrying_cannot_change_is_acknowledged() -> None:
 async def test_an_outage_fails_the_delivery_for_a_retry() -> None:
     with pytest.raises(errors.Unavailable):
         await handler(Opener(errors.Unavailable())).handle(delivery())
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [errors.RoomServiceError("internal error"), errors.Unauthorized("wrong peer secret")],
+    ids=["internal", "unauthorized"],
+)
+async def test_a_failure_at_the_rooms_owner_is_retried_not_dropped(answer: errors.RoomServiceError) -> None:
+    """What the gRPC hop brings back for an owner's unexpected exception (``internal``) or a peer secret
+    being rotated (``unauthorized``) is no rule of the room: retried, as the same failure here is
+    (found by review: acknowledged as dropped, the box never opened). The real hop: test_grpc_api.py."""
+    with pytest.raises(errors.RoomServiceError):
+        await handler(Opener(answer)).handle(delivery())
 
 
 async def test_a_body_that_is_no_wakeup_fails_as_poison() -> None:

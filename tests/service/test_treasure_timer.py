@@ -243,6 +243,23 @@ async def test_permanent_error_fires_with_warning(database: Database, clock: Clo
     assert [e["log_level"] for e in logs if e["event"] == "treasure_wakeup_dropped"] == ["warning"]
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [errors.RoomServiceError("internal error"), errors.Unauthorized("wrong peer secret")],
+    ids=["internal", "unauthorized"],
+)
+async def test_a_failure_at_the_rooms_owner_is_retried_not_fired(
+    database: Database, clock: Clock, answer: errors.RoomServiceError
+) -> None:
+    """Over the gRPC hop an owner's unexpected exception comes back as ``internal``: retried like the
+    same exception here, never fired (found by review: the box never opened)."""
+    timer = DatabaseTreasureTimer(database, clock=clock, owner="w1")
+    await timer.schedule(countdown_event("r1", "d-1", clock.now_ms))
+    assert await timer.fire_due(Recorder(answer)) == FireReport(failed=1)
+    row = await timer_row(database, "r1", "d-1")
+    assert (row.status, row.attempts) == ("scheduled", 1)
+
+
 async def test_two_instances_never_fire_the_same_timer(database: Database, backend_url: str, clock: Clock) -> None:
     second_db = Database.from_url(backend_url, pool_size=5, max_overflow=5)  # a second "process"
     try:

@@ -4,12 +4,21 @@ The room re-validates it (stale, already-open and closed-room wake-ups are
 no-ops; the command_id ``treasure-open:<box_id>`` makes a redelivery a
 replay). A wake-up that arrives before ``open_at_ms`` is delivered again at
 that time; an answer that retrying cannot change (say, the room never
-existed) is acknowledged and logged once; an outage is retried with backoff.
+existed: :func:`~roomservice.timers.treasure.is_permanent`) is acknowledged and
+logged once; an outage, or a failure at the room's owner, is retried with backoff.
+
+"Too early" from the room itself — its owner's clock is behind this process's,
+which already found the box due — is delivered again after the time the room
+named as still to wait by this clock, but at least a floor that doubles with each
+delivery (:data:`TOO_EARLY_FLOOR_S`, capped at :data:`TOO_EARLY_MAX_S`): each
+redelivery counts against the group's delivery limit, and a fixed 50 ms wait spent
+the whole budget in under a second of clock skew, dead-lettering the box.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from roomservice import errors
 from roomservice.brokers.port import Delivery
@@ -17,9 +26,12 @@ from roomservice.consumers.runtime import Outcome, Redeliver
 from roomservice.domain.commands import OpenTreasure
 from roomservice.observability.logging import get_logger
 from roomservice.timers.delay_message import TreasureWakeup
-from roomservice.timers.treasure import Opener
+from roomservice.timers.treasure import Opener, is_permanent
 
 _log = get_logger("roomservice.consumers.treasure_open")
+
+TOO_EARLY_FLOOR_S: Final = 0.1  # the first "too early" of the room waits at least this long, then doubling
+TOO_EARLY_MAX_S: Final = 30.0
 
 
 class TreasureOpenHandler:
@@ -38,9 +50,10 @@ class TreasureOpenHandler:
         try:
             answer = await self.opener(wakeup.app_code, wakeup.room_id, wakeup.command_id, command)
         except errors.TreasureTooEarly as exc:  # the room's clock says not yet
-            raise Redeliver(max(0.05, (exc.open_at_ms - self.clock()) / 1000), exc.message) from exc
+            floor_s = min(TOO_EARLY_FLOOR_S * 2 ** min(max(delivery.delivery_count - 1, 0), 16), TOO_EARLY_MAX_S)
+            raise Redeliver(max(floor_s, (exc.open_at_ms - self.clock()) / 1000), exc.message) from exc
         except errors.RoomServiceError as exc:
-            if exc.retryable:
+            if not is_permanent(exc):
                 raise
             _log.warning(
                 "treasure_wakeup_dropped",

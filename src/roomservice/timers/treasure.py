@@ -26,10 +26,11 @@ Row life cycle (``treasure_timer``, primary key app_code + room_id + box_id):
 
   - opened, or the room's no-op answer (stale, duplicate, closed room) -> ``fired``
   - ``TreasureTooEarly(open_at_ms)`` -> ``scheduled`` at that ``open_at_ms``, lock cleared
-  - ``Retry`` / ``Unavailable`` / any 5xx or unexpected exception ->
+  - ``Retry`` / ``Unavailable`` / any 5xx or unexpected exception, here or at the room's owner ->
     ``attempts + 1``, ``fire_at_ms = now + min(1 s * 2**attempts, 60 s)``, lock
     cleared, one log line per attempt
-  - a permanent error (``RoomNotFound`` and other 4xx) -> ``fired``, logged as a warning
+  - a permanent error (``RoomNotFound`` and the room's other rule refusals: :func:`is_permanent`)
+    -> ``fired``, logged as a warning
 
 * A ``fired`` row's ``fire_at_ms`` holds when it fired; ``purge_fired`` deletes
   old fired rows in bounded batches on the same index.
@@ -114,10 +115,12 @@ def backoff_ms(attempts: int) -> int:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """An answer that retrying can never change (4xx other than too-early)."""
-    return (
-        isinstance(exc, errors.RoomServiceError) and not exc.retryable
-    )
+    """An answer that retrying can never change: the room refused the command by one of its rules
+    (a 4xx other than too-early: the room never existed, a command id reused). Anything else is
+    retried: ``internal`` (a bug, here or at the room's owner over the gRPC hop, where an
+    unexpected exception comes back as that code), ``unauthorized`` from a peer (a shared secret
+    being rotated), and every outage."""
+    return isinstance(exc, (errors.DomainError, errors.CommandIdReused)) and not exc.retryable
 
 
 # --------------------------------------------------------------------------- statements
