@@ -52,13 +52,13 @@ def gift(value: int = 10, *, event_id: str = "") -> e.Event:
     return event(e.RoomGiftSent("alice", "bob", "rose", 1, value, value), event_id=event_id)
 
 
-def delivery(body: bytes, *, count: int = 1) -> Delivery:
+def delivery(body: bytes, *, count: int = 1, tag: str = "RoomGiftSent") -> Delivery:
     return Delivery(
         topic=TOPIC,
         group=GROUP,
         message_id=uuid.uuid4().hex,
         key="k",
-        tag="RoomGiftSent",
+        tag=tag,
         sharding_key="demo:r1",
         body=body,
         headers={},
@@ -147,6 +147,15 @@ async def test_an_invalid_body_is_poison(store: ActivityStore, database: Databas
     with pytest.raises(InvalidEvent) as info:
         await handler(store).handle(delivery(body))
     assert isinstance(info.value, ValueError)
+    assert await processed_rows(database) == 0
+
+
+async def test_a_message_tagged_with_a_type_activity_does_not_take_is_acked_undecoded(
+    store: ActivityStore, database: Database
+) -> None:
+    assert await handler(store).handle(delivery(b"\x00not an envelope", tag="RoomMicTaken")) is Outcome.DUPLICATE
+    with pytest.raises(InvalidEvent):  # a tag this version does not know may be a newer type of ours
+        await handler(store).handle(delivery(b"\x00not an envelope", tag="RoomSomethingNew"))
     assert await processed_rows(database) == 0
 
 

@@ -16,7 +16,9 @@ Event types the routing table does not send to the activity service
 (``Target.ACTIVITY`` not among ``targets_of(type)``: mic events, countdowns)
 are acknowledged as ``DUPLICATE`` without touching the database: nothing was
 applied, and they must not fill ``activity_processed_event`` with rows the
-gRPC path never writes. A database outage raises
+gRPC path never writes. A delivery whose tag names such a known type is
+acknowledged before its body is decoded (the broker publisher tags each message
+with its event type); an unknown tag is decoded, as above. A database outage raises
 :class:`~roomservice.store.port.StoreUnavailable`: the delivery is retried.
 """
 
@@ -26,7 +28,7 @@ from roomservice.activity.service import event_from_wire
 from roomservice.activity.store import ActivityStore
 from roomservice.brokers.port import Delivery
 from roomservice.consumers.runtime import Outcome
-from roomservice.domain.routing import Target, targets_of
+from roomservice.domain.routing import Target, for_others_only, targets_of
 from roomservice.observability import tracing
 from roomservice.observability.logging import get_logger
 
@@ -40,6 +42,8 @@ class ActivityHandler:
         self.topic = topic
 
     async def handle(self, delivery: Delivery) -> Outcome:
+        if for_others_only(delivery.tag, Target.ACTIVITY):
+            return Outcome.DUPLICATE  # tagged with a type the activity service does not take: not decoded
         event = event_from_wire(delivery.body)  # InvalidEvent (a ValueError): poison
         if Target.ACTIVITY not in targets_of(event.type):
             return Outcome.DUPLICATE  # not the activity service's: nothing to apply, nothing recorded

@@ -3,7 +3,9 @@
 ``RoomUserKicked`` (the only type the routing table sends to ``Target.NOTICE``)
 becomes one row in ``notice_delivery_events`` and one ``openim/sendmsg`` to the
 kicked user's IM account. Every other type is acknowledged as ``DUPLICATE``
-(nothing applied) without touching the database or IM.
+(nothing applied) without touching the database or IM — by its tag, before the
+body is decoded, when the tag names a known type (a body of another type that
+this group cannot read is not its poison); an unknown tag is decoded as below.
 
 Per delivery:
 
@@ -47,7 +49,7 @@ from roomservice.brokers.port import Delivery
 from roomservice.consumers.runtime import Outcome
 from roomservice.domain import events as e
 from roomservice.domain.limits import valid_id
-from roomservice.domain.routing import Target, targets_of
+from roomservice.domain.routing import Target, for_others_only, targets_of
 from roomservice.integrations.tencent_im import errors as im_errors
 from roomservice.integrations.tencent_im.client import TencentImClient, account_id_for, random_for
 from roomservice.observability.logging import get_logger
@@ -131,6 +133,8 @@ class NoticeHandler:
         self._insert = db.insert_ignoring_duplicates(_n)
 
     async def handle(self, delivery: Delivery) -> Outcome:
+        if for_others_only(delivery.tag, Target.NOTICE):
+            return Outcome.DUPLICATE  # tagged with a type that has no notice: acked, the body not even decoded
         event = event_from_wire(delivery.body)  # InvalidEvent (a ValueError): poison
         payload = event.payload
         if Target.NOTICE not in targets_of(event.type) or not isinstance(payload, e.RoomUserKicked):

@@ -32,5 +32,14 @@ def targets_of(event_type: str) -> frozenset[Target]:
     return _ROUTES.get(event_type, frozenset())
 
 
+def for_others_only(tag: str, target: Target) -> bool:
+    """Whether a broker message tagged ``tag`` (the broker publisher's tag is the event type) is of a
+    type this version knows and does not route to ``target``: a consumer of ``target`` acknowledges it
+    without decoding the body. An empty or unknown tag says nothing (a type newer than this version
+    may be ours): the body decides."""
+    routes = _ROUTES.get(tag)
+    return routes is not None and target not in routes
+
+
 def touches(event_types: Iterable[str], target: Target) -> bool:
     return any(target in targets_of(t) for t in event_types)
