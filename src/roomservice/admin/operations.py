@@ -487,12 +487,6 @@ class ReplayReport:
         }
 
 
-# --------------------------------------------------------------------------- statements
-
-_o, _a = room_outbox, room_outbox_audit
-_FAILED: Final = Status.FAILED.value
-
-
 class ReplayInterrupted(errors.Unavailable):
     """A batch failed after earlier batches of the same replay committed: ``report`` holds theirs."""
 
@@ -507,6 +501,12 @@ class ReplayInterrupted(errors.Unavailable):
 
     def to_body(self) -> dict[str, Any]:
         return {**super().to_body(), "report": self.report.to_dict()}
+
+
+# --------------------------------------------------------------------------- statements
+
+_o, _a = room_outbox, room_outbox_audit
+_FAILED: Final = Status.FAILED.value
 _PENDING: Final = Status.PENDING.value
 
 _AnySelect: TypeAlias = Select[*tuple[Any, ...]]
