@@ -413,4 +413,6 @@ def _refusal(exc: InsufficientFunds | DebitKeyConflict) -> errors.RoomServiceErr
     """The answer to a debit the wallet refused (nothing was debited)."""
     if isinstance(exc, InsufficientFunds):
         return errors.InsufficientBalance()
+    if exc.reused:
+        return errors.CommandIdReused("command_id was already used for a gift that committed earlier; use a new one")
     return errors.CommandIdReused("command_id was already used for a different gift")

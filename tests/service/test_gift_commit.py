@@ -267,3 +267,31 @@ async def test_a_gift_whose_commit_fails_debits_nothing_and_its_retry_charges_on
     assert body["replayed"] is False
     assert await rt.wallet.balance(APP, "bob") == START - ROSE
     assert await gifts_logged(rt) == 1
+
+
+async def test_a_gift_command_id_used_again_after_its_log_row_was_pruned_is_409_not_free(
+    embedded_factory: EmbeddedFactory, clock: Clock
+) -> None:
+    """The command log forgets a command_id after room.idempotency_retention; the debit key (app,
+    room, command_id) stays in the wallet. A gift sent again under that id found the old debit and
+    committed without charging: a free gift, on purpose if a client liked (found by review). An
+    existing debit in the commit belongs to a committed command (nothing else writes one): 409."""
+    async with embedded_factory(**{"room.snapshot_every_n": 1}) as rt:  # a snapshot lets the log be pruned
+        await _reused_after_retention(rt, clock)
+
+
+async def _reused_after_retention(rt: Process, clock: Clock) -> None:
+    await open_room(rt, "r1", "bob")
+    first = await run(rt, "r1", "g1", rose("bob"))
+    clock.advance(8 * 86_400_000)
+    assert await rt.store.prune_command_log(before_ms=clock() - 7 * 86_400_000, batch_size=1000) > 0
+    forget(rt, "r1")  # a restart, or the idle sweep: nothing remembers g1
+
+    with pytest.raises(errors.CommandIdReused, match="committed earlier"):
+        await run(rt, "r1", "g1", rose("bob"))
+    assert await rt.wallet.balance(APP, "bob") == START - ROSE
+    assert await gifts_logged(rt) == 0  # the first gift's row was pruned; nothing new was logged
+    view = await rt.service.room(APP, "r1")
+    assert view["heat"] == first["room"]["heat"]  # the room did not take a second gift
+    again = await run(rt, "r1", "g2", rose("bob"))  # a new command_id is charged as usual
+    assert again["replayed"] is False and await rt.wallet.balance(APP, "bob") == START - 2 * ROSE

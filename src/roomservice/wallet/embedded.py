@@ -64,6 +64,9 @@ _BALANCE: Final = sa.select(_account.c.balance).where(_IS_ACCOUNT)
 _GET: Final = sa.select(
     _debits.c.debit_key, _debits.c.app_code, _debits.c.user_id, _debits.c.amount, _debits.c.status
 ).where(_debits.c.debit_key == sa.bindparam("b_key"))
+_JOURNALED: Final = sa.select(t.wallet_pending_debit.c.debit_key).where(
+    t.wallet_pending_debit.c.debit_key == sa.bindparam("b_key")
+)
 _SET_STATUS: Final = (
     sa.update(_debits)
     .where(_debits.c.debit_key == sa.bindparam("b_key"), _debits.c.status == sa.bindparam("b_from"))
@@ -155,7 +158,7 @@ class CommitDebit:
     async def write(self, writes: Writes, *, shared: bool) -> None:
         request = self.request
         if not shared:
-            await _debit(writes, request)
+            await _debit(writes, request, in_commit=True)
             return
         # In a transaction shared with other rooms' commands: the common case only, and a
         # failure that leaves nothing written; anything else is decided in a transaction of its own.
@@ -171,8 +174,9 @@ class CommitDebit:
         self.known_accounts.add((self.request.app_code, self.request.user_id))
 
 
-async def _debit(writes: Writes, request: _Request) -> Debit:
-    """The debit in a transaction of its own (raising rolls all of it back)."""
+async def _debit(writes: Writes, request: _Request, *, in_commit: bool = False) -> Debit:
+    """The debit in a transaction of its own (raising rolls all of it back); ``in_commit``: the
+    command's own transaction, which an existing debit of the key never belongs to."""
     await request.open_account(writes)
     if not await request.claim_key(writes):
         found = await writes.rows(_GET, {"b_key": request.key})
@@ -182,6 +186,12 @@ async def _debit(writes: Writes, request: _Request) -> Debit:
         if (existing.app_code, existing.user_id, existing.amount) != asked:
             raise DebitKeyConflict(request.key)
         if existing.status == DEBITED:
+            if in_commit and not await writes.rows(_JOURNALED, {"b_key": request.key}):
+                # A debit in the commit exists only with its committed command: this command_id was
+                # used before, its log row since pruned (room.idempotency_retention). Never a gift
+                # for free. (A journaled key is an attempt through the wallet port whose command did
+                # not commit: its retry takes that debit, as the port's own path does.)
+                raise DebitKeyConflict(request.key, reused=True)
             return existing
         # refunded by reconciliation, now retried: charge it again (net once)
         flip = {"b_key": request.key, "b_from": REFUNDED, "b_to": DEBITED, "b_now": request.now}

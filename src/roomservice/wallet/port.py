@@ -24,7 +24,13 @@ class InsufficientFunds(WalletError):
 
 
 class DebitKeyConflict(WalletError):
-    """The key was used for a different user or amount; nothing was debited."""
+    """The key was used for a different user or amount, or (``reused``) by a command committed
+    long ago whose command_id is being used again; nothing was debited."""
+
+    def __init__(self, key: str, *, reused: bool = False) -> None:
+        super().__init__(key)
+        self.key = key
+        self.reused = reused
 
 
 class WalletUnavailable(errors.Unavailable):
