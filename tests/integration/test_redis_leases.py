@@ -40,6 +40,7 @@ from roomservice.store.database import Database
 from roomservice.store.sql import SqlRoomStore
 from roomservice.wallet.fake import FakeWallet
 from roomservice.wallet.journal import DebitJournal
+from roomservice.wallet.reconcile import Reconciler
 
 T = TypeVar("T")
 APP, ROOM = "demo", "room-1"
@@ -500,3 +501,38 @@ async def test_a_lease_lost_while_redis_hangs_evicts_the_rooms_cell_through_on_l
     reloaded = registry.peek(APP, ROOM)
     assert reloaded is not None and reloaded.epoch > cell.epoch  # taken again, with a new fencing epoch
     await registry.close()
+
+
+async def test_an_orphan_debit_of_a_busy_room_is_refunded_by_the_process_that_holds_it(
+    shared: Manager, database: Database, backend_url: str
+) -> None:
+    """An entry is reconciled holding its room's turn, and only the lease holder can take it: the
+    reconciler of a process that does not hold the room counts the entry ``held_elsewhere`` (not an
+    error) and the holder's own refunds it, however busy the room stays (found by review: only the
+    maintenance role reconciled, and a busy room held by a process without it was never refunded)."""
+    timing = {"ttl_s": 5.0, "renew_every_s": 0.5, "safety_margin_s": 1.0}
+    wallet = FakeWallet()  # the one external wallet both processes talk to
+    async with second_process(backend_url) as db_b:
+        a = room_service(database, shared.new("proc-a", renewing=True, **timing), wallet)  # serves the room
+        b = room_service(db_b, shared.new("proc-b", **timing), wallet)
+        await a.execute(APP, ROOM, "c1", c.CreateRoom(owner_id="olivia", title="Friday"))
+        await a.execute(APP, ROOM, "c2", c.JoinRoom(user_id="alice"))
+        wallet.fail_after_debit = True  # debited, the answer lost: 503, and the client gives up
+        rose = c.SendGift(sender_id="alice", receiver_id="olivia", gift_id="rose", count=1)
+        with pytest.raises(errors.Unavailable):
+            await a.execute(APP, ROOM, "g1", rose)
+        wallet.fail_after_debit = False
+        charged = wallet.balances[(APP, "alice")]
+
+        def reconciler(service: RoomService) -> Reconciler:
+            return Reconciler(
+                journal=service.journal, wallet=wallet, store=service.store, reconcile_after_ms=0,
+                clock=lambda: 2**62, room_turn=service.registry.holding,
+            )  # fmt: skip
+
+        elsewhere = await reconciler(b).run_once()
+        assert (elsewhere.checked, elsewhere.held_elsewhere, elsewhere.errors, elsewhere.refunded) == (1, 1, 0, 0)
+        await a.execute(APP, ROOM, "j1", c.JoinRoom(user_id="u1"))  # the room stays busy on A
+        here = await reconciler(a).run_once()
+        assert (here.checked, here.refunded, here.held_elsewhere) == (1, 1, 0)
+        assert wallet.balances[(APP, "alice")] == charged + 10  # the rose's price, back

@@ -16,7 +16,9 @@ from roomservice.bootstrap import API, OUTBOX, Process
 from roomservice.domain import commands as c
 from roomservice.outbox.model import BROKER, TREASURE_WAKEUP
 
-ROOM_TASKS = {"cell-eviction", "lease-renewal", "projections-rebuild", "treasure-timer", "outbox-retention"}
+ROOM_TASKS = {
+    "cell-eviction", "lease-renewal", "projections-rebuild", "treasure-timer", "outbox-retention", "wallet-reconcile"
+}
 
 
 async def test_the_outbox_role_builds_no_cells_reconciler_or_projections(tmp_path: Path) -> None:

@@ -97,6 +97,8 @@ async def test_a_consumer_with_the_treasure_open_group_serves_the_room_api(
     ):
         assert consumer.commands is not None and consumer.room_api is not None
         assert isinstance(consumer.leases, RedisLeases) and consumer.leases.address == consumer.room_api.target
+        # it holds rooms (wake-ups) with no maintenance role: it reconciles their debits itself
+        assert "wallet-reconcile" in {t.get_name() for t in consumer.core.tasks if not t.done()}
 
 
 async def test_a_consumer_without_the_command_pipeline_serves_no_room_api(

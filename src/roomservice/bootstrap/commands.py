@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from roomservice.bootstrap.core import Core
+from roomservice.bootstrap.core import Core, ms
 from roomservice.cell.registry import CellRegistry
 from roomservice.forwarding import Forwarder
 from roomservice.leases.inprocess import InProcessLeases
@@ -30,6 +30,7 @@ from roomservice.wallet.embedded import EmbeddedWallet
 from roomservice.wallet.http import HttpWallet
 from roomservice.wallet.journal import DebitJournal
 from roomservice.wallet.port import Wallet
+from roomservice.wallet.reconcile import Reconciler
 
 _log = get_logger("roomservice.bootstrap")
 
@@ -45,6 +46,7 @@ class Commands:
     journal: DebitJournal
     service: RoomService
     forwarder: Forwarder
+    reconciler: Reconciler
 
     @property
     def redis_leases(self) -> RedisLeases | None:
@@ -54,6 +56,10 @@ class Commands:
         room = core.settings.room
         evict_every = max(1.0, min(60.0, room.idle_evict_after.total_seconds() / 4))
         core.spawn("cell-eviction", self.registry.run_eviction(interval_s=evict_every))
+        # wherever cells live: a room another process holds is that process's to reconcile (on Redis
+        # leases a consume process serving treasure wake-ups holds rooms too, with no maintenance role)
+        reconcile_every = core.settings.wallet.reconcile_interval.total_seconds()
+        core.spawn("wallet-reconcile", self.reconciler.run(interval_s=reconcile_every))
         if self.redis_leases is not None:
             core.spawn("lease-renewal", self.redis_leases.run_renewal())
         projections = self.service.projections
@@ -141,6 +147,14 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
         shared_secret=settings.grpc.shared_secret.get_secret_value(),
         timeout_s=settings.grpc.forward_timeout.total_seconds(),
     )
+    reconciler = Reconciler(
+        journal=journal,
+        wallet=wallet,
+        store=store,
+        reconcile_after_ms=ms(settings.wallet.reconcile_after),
+        clock=core.clock,
+        room_turn=registry.holding,
+    )
     return Commands(
         store=store,
         leases=leases,
@@ -149,6 +163,7 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
         journal=journal,
         service=service,
         forwarder=forwarder,
+        reconciler=reconciler,
     )
 
 

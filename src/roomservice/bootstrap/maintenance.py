@@ -1,4 +1,4 @@
-"""The maintenance role: retention sweeps, command-log pruning, wallet reconciliation and backlog metrics."""
+"""The maintenance role: retention sweeps, command-log pruning and backlog metrics."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from roomservice.observability.metrics import OUTBOX_BACKLOG, OUTBOX_OLDEST_PEND
 from roomservice.outbox.retention import RetentionSweeper
 from roomservice.outbox.sql import SqlOutboxRepository
 from roomservice.timers.treasure import DatabaseTreasureTimer
-from roomservice.wallet.reconcile import Reconciler
 
 _log = get_logger("roomservice.maintenance")
 
@@ -27,7 +26,6 @@ BROKER_RETENTION_LOCK = "roomservice_broker_retention"
 @dataclass(slots=True)
 class Maintenance:
     retention: RetentionSweeper
-    reconciler: Reconciler
     commands: Commands
     outbox_admin: OutboxAdmin
     broker_retention: RetentionSweeper | None = None
@@ -39,9 +37,6 @@ class Maintenance:
         core.spawn("command-log-retention", self._prune_command_log(core, interval_s=300.0))
         if core.settings.metrics.enabled:  # the gauges exist only for GET /metrics
             core.spawn("outbox-backlog-metrics", self._sample_backlog(core, interval_s=15.0))
-        core.spawn(
-            "wallet-reconcile", self.reconciler.run(interval_s=core.settings.wallet.reconcile_interval.total_seconds())
-        )
 
     async def _prune_command_log(self, core: Core, *, interval_s: float, batch_size: int = 1000) -> None:
         """Drop idempotency records older than room.idempotency_retention, in bounded batches."""
@@ -105,17 +100,8 @@ def build_maintenance(
             clock=core.clock,
             lock_name=BROKER_RETENTION_LOCK,
         )
-    reconciler = Reconciler(
-        journal=commands.journal,
-        wallet=commands.wallet,
-        store=commands.store,
-        reconcile_after_ms=ms(settings.wallet.reconcile_after),
-        clock=core.clock,
-        room_turn=commands.registry.holding,
-    )
     return Maintenance(
         retention=retention,
-        reconciler=reconciler,
         commands=commands,
         outbox_admin=outbox_admin,
         broker_retention=broker_retention,

@@ -57,7 +57,7 @@ _log = get_logger("roomservice.bootstrap")
 API: Final = "api"  # the command pipeline and the admin operations behind HTTP (and later gRPC)
 OUTBOX: Final = "outbox"  # the outbox worker and its publishers
 TIMERS: Final = "timers"  # fires due treasure wake-ups through the command pipeline
-MAINTENANCE: Final = "maintenance"  # retention, command-log pruning, reconciliation, backlog metrics
+MAINTENANCE: Final = "maintenance"  # retention, command-log pruning, backlog metrics
 CONSUMERS: Final = "consumers"  # the broker's consumer groups this configuration enables
 ROLES: Final = frozenset({API, OUTBOX, TIMERS, MAINTENANCE, CONSUMERS})
 SERVE_ROLES: Final = ROLES
@@ -117,9 +117,7 @@ class Process:
 
     @property
     def reconciler(self) -> Reconciler:
-        if self.maintenance is None:
-            raise LookupError(f"this process runs no {MAINTENANCE} role")
-        return self.maintenance.reconciler
+        return self._commands().reconciler
 
     @property
     def sandbox(self) -> RunningSandbox | None:

@@ -7,6 +7,11 @@ gave up — is refunded once ``reconcile_after`` has passed; a debit that a comm
 command claims simply leaves the journal. The embedded wallet's debit is written in
 the command's own transaction (:mod:`roomservice.wallet.embedded`): it cannot outlive
 an uncommitted command, so it is not journaled.
+
+An entry is reconciled holding its room's turn, so every process whose command pipeline
+can hold rooms runs a reconciler (``bootstrap.commands``): on Redis leases the process
+holding a busy room reconciles its entries, the others count them ``held_elsewhere``
+and go on; a room nobody holds is taken by whichever reconciler comes first.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 
 from roomservice.domain.commands import SendGift
 from roomservice.errors import Retry, Unavailable
+from roomservice.leases.port import LeaseUnavailable
 from roomservice.observability.logging import get_logger
 from roomservice.store.port import RoomStore
 from roomservice.wallet.journal import DebitJournal, JournalEntry
@@ -40,6 +46,7 @@ class ReconcileReport:
     claimed: int = 0
     refunded: int = 0
     errors: int = 0
+    held_elsewhere: int = 0  # the room's lease is another process's: its own reconciler takes the entry
 
     def __add__(self, other: ReconcileReport) -> ReconcileReport:
         return ReconcileReport(
@@ -47,6 +54,7 @@ class ReconcileReport:
             self.claimed + other.claimed,
             self.refunded + other.refunded,
             self.errors + other.errors,
+            self.held_elsewhere + other.held_elsewhere,
         )
 
 
@@ -88,7 +96,7 @@ class Reconciler:
             after = (entries[-1].created_at_ms, entries[-1].debit_key)
 
     async def _reconcile(self, entries: list[JournalEntry]) -> ReconcileReport:
-        claimed = refunded = errors = 0
+        claimed = refunded = errors = elsewhere = 0
         for entry in entries:
             try:
                 async with self._room_turn(entry.app_code, entry.room_id):
@@ -108,10 +116,13 @@ class Reconciler:
                                 amount=entry.amount,
                             )
                     await self._journal.forget(entry.debit_key)
+            except LeaseUnavailable:  # another process holds the room: it reconciles the entry itself
+                elsewhere += 1
+                _log.debug("wallet_reconcile_held_elsewhere", debit_key=entry.debit_key, room_id=entry.room_id)
             except (WalletError, Unavailable, Retry, TimeoutError) as exc:  # next pass
                 errors += 1
                 _log.warning("wallet_reconcile_failed", debit_key=entry.debit_key, error=str(exc))
-        return ReconcileReport(len(entries), claimed, refunded, errors)
+        return ReconcileReport(len(entries), claimed, refunded, errors, elsewhere)
 
     async def run(self, *, interval_s: float) -> None:
         while True:
