@@ -185,4 +185,12 @@ class Forwarder:
                     f"the room's owner {owner.address} did not answer ({exc.code().name}); "
                     "retry with the same command_id"
                 )
+            elif isinstance(error, errors.Unauthorized):
+                # the owner refused the hop itself (the peers' grpc.shared_secret differ: a rotation, or one
+                # node misconfigured); the caller's request was fine, and 401 is the admin API's answer
+                _log.warning("forward_refused", target=owner.address, owner=owner.owner, call=what, error=error.message)
+                error = errors.Unavailable(
+                    f"the room's owner {owner.address} refused this process's forwarded call (grpc.shared_secret "
+                    "differs between the peers); retry with the same command_id"
+                )
             raise error from None

@@ -16,9 +16,11 @@ import grpc
 import grpc.aio
 import pytest
 import pytest_asyncio
+from structlog.testing import capture_logs
 
 from roomservice import errors
 from roomservice.api import grpc as api
+from roomservice.api.errors import http_status
 from roomservice.domain import commands as c
 from roomservice.forwarding import HOP_KEY, SECRET_KEY, Forwarder
 from roomservice.leases.port import LeaseBackendUnavailable, LeaseOwner
@@ -177,6 +179,24 @@ async def test_a_hop_without_the_secret_is_refused_and_a_plain_call_is_a_gateway
         assert owner.service.ran == []
         await call(request, timeout=2)  # no hop marker: a gateway's call, routed as any other
     assert owner.service.ran == [("c1", "JoinRoom")]
+
+
+async def test_peers_whose_secrets_differ_answer_503_not_the_admin_apis_401(owner: Peer) -> None:
+    """A rotation of grpc.shared_secret, or one node misconfigured: the owner refuses the hop. The
+    caller's request was fine, so its answer is 503 unavailable (retry), never 401, which SPEC keeps for
+    the admin API (found by review). A room view falls back to the store's, as when the owner is away."""
+    local = StubService("A")
+    fwd = forwarder(local, StubLeases(owner="A", holder=LeaseOwner("B", owner.address, "t")), secret="old-secret")
+    try:
+        with capture_logs() as logs, pytest.raises(errors.Unavailable, match="shared_secret differs") as info:
+            await fwd.execute("app", "r1", "c1", JOIN)
+        assert type(info.value) is errors.Unavailable and http_status(info.value) == 503
+        assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["forward_refused"]
+        with pytest.raises(errors.RoomNotFound, match="A has no r1"):
+            await fwd.room("app", "r1")
+    finally:
+        await fwd.aclose()
+    assert owner.service.ran == []
 
 
 async def test_an_unreachable_owner_is_503_unavailable() -> None:
