@@ -206,10 +206,11 @@ class WalletServer:
                 return _error(402, "insufficient_balance", str(exc))
             except DebitKeyConflict as exc:
                 return _error(409, "debit_key_conflict", f"key {exc} was used for another debit")
-            if before is None or before.status == REFUNDED:
+            charged = before is None or before.status == REFUNDED
+            if charged:
                 self.counters.bump("charged")
         await self._hold(self.switches.stall_after_debit_ms)
-        return JSONResponse(_debit_body(debit))
+        return JSONResponse({**_debit_body(debit), "charged": charged})
 
     async def _lookup(self, request: Request) -> Response:
         debit = await self.ledger.lookup(request.path_params["key"])

@@ -347,8 +347,17 @@ class RoomService:
         entry = JournalEntry(key, app_code, room_id, command_id, gift.sender_id, gift.total_value, now_ms)
         try:
             async with asyncio.timeout(self.options.wallet_timeout_s):
-                await self.journal.record(entry)
-                await self.wallet.debit(key=key, app_code=app_code, user_id=gift.sender_id, amount=gift.total_value)
+                journaled_before = await self.journal.record(entry)
+                debit = await self.wallet.debit(
+                    key=key, app_code=app_code, user_id=gift.sender_id, amount=gift.total_value
+                )
+            if not debit.charged and not journaled_before:
+                # The key's debit is no attempt of this command's (that would be journaled): a gift
+                # committed under this command_id, its log row since pruned (room.idempotency_retention).
+                # Never a gift for free; and this attempt's entry goes, or reconciliation would refund
+                # the earlier gift's debit.
+                await self.journal.forget(key)
+                raise DebitKeyConflict(key, reused=True)
         except InsufficientFunds as exc:
             await self.journal.forget(key)
             raise _refusal(exc) from exc

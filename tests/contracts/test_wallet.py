@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
@@ -60,8 +61,12 @@ def test_debit_key_is_derived_from_app_room_and_command() -> None:
 async def test_debit_once_per_key(wallet: Wallet) -> None:
     first = await wallet.debit(key="k1", app_code="app", user_id="bob", amount=300)
     again = await wallet.debit(key="k1", app_code="app", user_id="bob", amount=300)
-    assert first == again
-    assert first.status == DEBITED
+    assert again == replace(first, charged=False)  # the same debit, and the wallet says it moved no money
+    assert first.status == DEBITED and first.charged
+    assert await wallet.balance("app", "bob") == START - 300
+    await wallet.refund("k1")
+    charged_again = await wallet.debit(key="k1", app_code="app", user_id="bob", amount=300)
+    assert (charged_again.status, charged_again.charged) == (DEBITED, True)  # refunded, then charged: net once
     assert await wallet.balance("app", "bob") == START - 300
 
 

@@ -116,6 +116,34 @@ async def test_gift_debits_once_over_http(server: WalletServer, settings: Settin
         assert [r.event_type for r in await outbox_rows(rt, "r1")][-1] == "RoomGiftSent"
 
 
+async def test_a_gift_command_id_used_again_after_its_log_row_was_pruned_is_409_not_free(
+    server: WalletServer, sqlite_url: str, tmp_path: Path, clock: Clock
+) -> None:
+    """The wallet keeps its keys longer than the command log keeps command ids: a gift sent again under
+    a pruned id got the old debit back and committed unpaid (found by review). The wallet says the debit
+    charged nothing and no attempt of this command journaled it: 409, and the old gift's debit stays."""
+    settings = make_settings(sqlite_url, tmp_path, **{"wallet.timeout": "2s", "room.snapshot_every_n": 1})
+    async with runtime_with(settings, clock, server.base_url) as rt:
+        await open_room(rt)
+        price = rt.service.rules.gifts["rose"].price
+        first = await run(rt, "r1", "g1", rose())
+        clock.advance(8 * 86_400_000)
+        assert (await rt.reconciler.run_once()).claimed == 1  # its journal entry settled long ago
+        assert await rt.store.prune_command_log(before_ms=clock() - 7 * 86_400_000, batch_size=1000) > 0
+        cell = rt.registry.peek(APP, "r1")
+        assert cell is not None
+        rt.registry.discard(cell)  # a restart, or the idle sweep: nothing remembers g1
+
+        with pytest.raises(errors.CommandIdReused, match="committed earlier"):
+            await run(rt, "r1", "g1", rose())
+        assert (await rt.service.room(APP, "r1"))["heat"] == first["room"]["heat"] == price
+        assert await count(rt, t.wallet_pending_debit) == 0  # nothing for reconciliation to refund
+        assert (server.counters["debit"], server.counters["charged"]) == (2, 1)
+        assert await server.ledger.balance(APP, "bob") == START - price
+        report = await rt.reconciler.run_once()
+        assert report.refunded == 0 and await server.ledger.balance(APP, "bob") == START - price
+
+
 async def test_insufficient_balance_commits_nothing(server: WalletServer, settings: Settings, clock: Clock) -> None:
     async with runtime_with(settings, clock, server.base_url) as rt:
         await open_room(rt)
@@ -381,12 +409,21 @@ def debit_json(**overrides: Any) -> dict[str, Any]:
         (200, debit_json(status="pending"), WalletUnavailable),
         (200, debit_json(key="other"), WalletUnavailable),
         (200, debit_json(amount=6), WalletUnavailable),
+        (200, {**debit_json(), "charged": "no"}, WalletUnavailable),
     ],
 )
 async def test_debit_answer_mapping(status: int, body: Any, expected: type[Exception]) -> None:
     async with HttpWallet("http://wallet.test", timeout_s=1.0, transport=scripted(status, body)) as wallet:
         with pytest.raises(expected):
             await wallet.debit(key="k", app_code="app", user_id="bob", amount=5)
+
+
+@pytest.mark.parametrize(("extra", "charged"), [({}, True), ({"charged": True}, True), ({"charged": False}, False)])
+async def test_whether_the_debit_charged_now_is_read(extra: dict[str, Any], charged: bool) -> None:
+    """Without "charged" (a wallet that does not say) a charge is assumed, as before."""
+    transport = scripted(200, {**debit_json(), **extra})
+    async with HttpWallet("http://wallet.test", timeout_s=1.0, transport=transport) as wallet:
+        assert (await wallet.debit(key="k", app_code="app", user_id="bob", amount=5)).charged is charged
 
 
 async def test_well_formed_answers_are_read() -> None:

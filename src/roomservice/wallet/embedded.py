@@ -20,7 +20,7 @@ of its command's transaction.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import sqlalchemy as sa
@@ -192,7 +192,7 @@ async def _debit(writes: Writes, request: _Request, *, in_commit: bool = False) 
                 # for free. (A journaled key is an attempt through the wallet port whose command did
                 # not commit: its retry takes that debit, as the port's own path does.)
                 raise DebitKeyConflict(request.key, reused=True)
-            return existing
+            return replace(existing, charged=False)
         # refunded by reconciliation, now retried: charge it again (net once)
         flip = {"b_key": request.key, "b_from": REFUNDED, "b_to": DEBITED, "b_now": request.now}
         await writes.execute_rendered(_SET_STATUS, flip)

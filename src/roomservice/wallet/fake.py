@@ -38,7 +38,7 @@ class FakeWallet:
         if existing is not None and existing.status == DEBITED:
             if (existing.user_id, existing.amount) != (user_id, amount):
                 raise DebitKeyConflict(key)
-            return existing
+            return replace(existing, charged=False)
         account = (app_code, user_id)
         balance = self.balances.get(account, self.starting_balance)
         if balance < amount:

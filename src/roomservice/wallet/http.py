@@ -5,9 +5,11 @@ configured; ``{key}`` is one URL path segment, percent-escaped, so keys may
 contain ``/``, ``?``, ``#``, spaces or ``:``)::
 
     POST /v1/debits                      {"key", "app_code", "user_id", "amount"}
-        200 {"debit": Debit}             charged now, or the existing debit of this key
-                                         (same key + same body = same debit; a key refunded
-                                         earlier is charged again, net once)
+        200 {"debit": Debit, "charged": bool}
+                                         charged now (true), or the existing debit of this key
+                                         (false: same key + same body = same debit); a key
+                                         refunded earlier is charged again, net once (true).
+                                         Without "charged", a charge is assumed (true)
         402 {"error": {"code": "insufficient_balance"}}   nothing debited
         409 {"error": {"code": "debit_key_conflict"}}     key used for another user/amount
     GET  /v1/debits/{key}
@@ -42,6 +44,7 @@ never charge twice.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -118,10 +121,14 @@ class HttpWallet:
             raise InsufficientFunds(f"wallet: balance of {user_id} does not cover {amount}")
         if response.status_code == 409:
             raise DebitKeyConflict(key)
-        debit = self._debit_of(self._ok_json(response))
+        data = self._ok_json(response)
+        debit = self._debit_of(data)
         if (debit.key, debit.app_code, debit.user_id, debit.amount) != (key, app_code, user_id, amount):
             raise WalletUnavailable(f"wallet answered a debit that does not match the request for key {key!r}")
-        return debit
+        charged = data.get("charged", True)
+        if not isinstance(charged, bool):
+            raise WalletUnavailable(f"wallet answered a non-boolean 'charged' for key {key!r}")
+        return debit if charged else replace(debit, charged=False)
 
     async def lookup(self, key: str) -> Debit | None:
         response = await self._request("GET", f"/v1/debits/{_segment(key)}")

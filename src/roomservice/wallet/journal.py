@@ -36,12 +36,13 @@ class DebitJournal:
     def __init__(self, db: Database) -> None:
         self._db = db
 
-    async def record(self, entry: JournalEntry) -> None:
+    async def record(self, entry: JournalEntry) -> bool:
         """Journal a debit about to be asked for; a retry of the same command restarts its
         clock, so reconciliation never refunds a debit whose command is still being tried.
+        True if the key was journaled already (an earlier attempt of the command, not settled).
         Once a gift, before its command's transaction: on the driver's cursor as that one
         (:mod:`roomservice.store.writes`)."""
-        await run_writes(self._db, _record, entry)
+        return await run_writes(self._db, _record, entry)
 
     async def forget(self, debit_key: str) -> None:
         await run_writes(self._db, _forget, debit_key)
@@ -77,18 +78,19 @@ _INSERT: Final = insert_or_ignore(t.wallet_pending_debit)
 _FORGET: Final = sa.delete(t.wallet_pending_debit).where(t.wallet_pending_debit.c.debit_key == sa.bindparam("b_key"))
 
 
-async def _record(writes: Writes, entry: JournalEntry) -> None:
-    if await writes.execute_rendered(_TOUCH, {"b_key": entry.debit_key, "b_now": entry.created_at_ms}) == 0:
-        row = {
-            "debit_key": entry.debit_key,
-            "app_code": entry.app_code,
-            "room_id": entry.room_id,
-            "command_id": entry.command_id,
-            "user_id": entry.user_id,
-            "amount": entry.amount,
-            "created_at_ms": entry.created_at_ms,
-        }
-        await writes.execute_rendered(_INSERT, row)
+async def _record(writes: Writes, entry: JournalEntry) -> bool:
+    if await writes.execute_rendered(_TOUCH, {"b_key": entry.debit_key, "b_now": entry.created_at_ms}) != 0:
+        return True
+    row = {
+        "debit_key": entry.debit_key,
+        "app_code": entry.app_code,
+        "room_id": entry.room_id,
+        "command_id": entry.command_id,
+        "user_id": entry.user_id,
+        "amount": entry.amount,
+        "created_at_ms": entry.created_at_ms,
+    }
+    return await writes.execute_rendered(_INSERT, row) == 0  # ignored: another attempt journaled it meanwhile
 
 
 async def _forget(writes: Writes, debit_key: str) -> None:

@@ -48,6 +48,9 @@ class Debit:
     user_id: str
     amount: int
     status: str  # debited | refunded
+    # whether this call moved money: False when the key's existing debit was answered (a retry's).
+    # A wallet that cannot tell says True (the service then cannot catch a command_id used again).
+    charged: bool = True
 
 
 def debit_key(app_code: str, room_id: str, command_id: str) -> str:
@@ -57,7 +60,8 @@ def debit_key(app_code: str, room_id: str, command_id: str) -> str:
 
 class Wallet(Protocol):
     async def debit(self, *, key: str, app_code: str, user_id: str, amount: int) -> Debit:
-        """Debit ``amount`` once per ``key``; repeating the same call returns the same debit."""
+        """Debit ``amount`` once per ``key``; repeating the same call returns the same debit
+        (``charged`` False; a key refunded before is charged again, ``charged`` True)."""
         ...
 
     async def lookup(self, key: str) -> Debit | None:
