@@ -410,6 +410,8 @@ def debit_json(**overrides: Any) -> dict[str, Any]:
         (200, debit_json(key="other"), WalletUnavailable),
         (200, debit_json(amount=6), WalletUnavailable),
         (200, {**debit_json(), "charged": "no"}, WalletUnavailable),
+        (200, debit_json(status="refunded"), WalletUnavailable),  # a debit call must leave the key debited
+        (409, {"error": {"code": "in_progress"}}, WalletUnavailable),  # only debit_key_conflict is definitive
     ],
 )
 async def test_debit_answer_mapping(status: int, body: Any, expected: type[Exception]) -> None:

@@ -17,6 +17,7 @@ from roomservice.bootstrap import Process
 from roomservice.domain import commands as c
 from roomservice.observability.logging import get_logger
 from roomservice.store import tables as t
+from roomservice.store.port import StoreInconsistent
 from roomservice.wallet.fake import FakeWallet
 from roomservice.wallet.journal import JournalEntry
 from roomservice.wallet.reconcile import Reconciler
@@ -226,7 +227,7 @@ async def test_reconciliation_goes_on_past_entries_that_keep_failing(
         @contextlib.asynccontextmanager
         async def room_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
             if room_id == "held":
-                raise errors.Retry("held by another process")
+                raise errors.Retry("a lost race")
             yield
 
         reconciler = Reconciler(
@@ -237,6 +238,35 @@ async def test_reconciliation_goes_on_past_entries_that_keep_failing(
         assert (report.checked, report.errors, report.refunded) == (3, 2, 1)
         assert wallet.balances[(APP, "bob")] == 10_000 - 20  # the third refunded; the held two stay for later
         assert [e.room_id for e in await journal.older_than(clock.now_ms + 10, limit=10)] == ["held", "held"]
+
+
+async def test_an_entry_whose_room_does_not_load_waits_alone(
+    runtime_factory: RuntimeFactory, wallet: FakeWallet, clock: Clock
+) -> None:
+    """A room whose state does not load (StoreInconsistent, or a bug) failed the whole pass, so every
+    entry behind it waited for good (found by review): it is one entry's error now."""
+    async with runtime_factory() as rt:
+        journal = rt.commands.journal
+        for n, room in enumerate(["broken", "r1"]):
+            key = f"{APP}:{room}:gift-{n}"
+            await wallet.debit(key=key, app_code=APP, user_id="bob", amount=10)
+            await journal.record(JournalEntry(key, APP, room, f"gift-{n}", "bob", 10, clock.now_ms + n))
+
+        @contextlib.asynccontextmanager
+        async def room_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
+            if room_id == "broken":
+                raise StoreInconsistent(f"{room_id}: the log does not follow the snapshot")
+            yield
+
+        reconciler = Reconciler(
+            journal=journal, wallet=wallet, store=rt.store, reconcile_after_ms=0, clock=lambda: clock.now_ms + 10,
+            room_turn=room_turn,
+        )
+        with capture_logs() as logs:
+            report = await reconciler.run_once()
+        assert (report.checked, report.errors, report.refunded) == (2, 1, 1)
+        assert [e["log_level"] for e in logs if e["event"] == "wallet_reconcile_failed"] == ["error"]
+        assert [e.room_id for e in await journal.older_than(clock.now_ms + 10, limit=10)] == ["broken"]
 
 
 async def test_fifty_concurrent_commands_get_consecutive_versions(runtime: Process) -> None:

@@ -24,8 +24,9 @@ contain ``/``, ``?``, ``#``, spaces or ``:``)::
 
 How answers map onto the port's errors:
 
-* 402 → :class:`InsufficientFunds`; 409 on a debit → :class:`DebitKeyConflict`
-  (both are definitive: nothing was debited).
+* 402 → :class:`InsufficientFunds`; 409 ``debit_key_conflict`` on a debit →
+  :class:`DebitKeyConflict` (both are definitive: nothing was debited). A debit answered
+  with any other status than ``debited`` is not one.
 * 404 with code ``debit_not_found`` on lookup/refund → ``None``.
 * Everything else is :class:`WalletUnavailable`, which the command path answers
   with ``503 unavailable`` and nothing committed: timeouts (the whole request is
@@ -119,12 +120,14 @@ class HttpWallet:
         response = await self._request("POST", "/v1/debits", json=body)
         if response.status_code == 402:
             raise InsufficientFunds(f"wallet: balance of {user_id} does not cover {amount}")
-        if response.status_code == 409:
-            raise DebitKeyConflict(key)
+        if response.status_code == 409 and _code(response) == "debit_key_conflict":
+            raise DebitKeyConflict(key)  # (another 409, say "in progress", is no definitive answer: unavailable)
         data = self._ok_json(response)
         debit = self._debit_of(data)
         if (debit.key, debit.app_code, debit.user_id, debit.amount) != (key, app_code, user_id, amount):
             raise WalletUnavailable(f"wallet answered a debit that does not match the request for key {key!r}")
+        if debit.status != DEBITED:  # a debit call answered "refunded": the gift would go unpaid
+            raise WalletUnavailable(f"wallet answered a {debit.status} debit for key {key!r}, not a debited one")
         charged = data.get("charged", True)
         if not isinstance(charged, bool):
             raise WalletUnavailable(f"wallet answered a non-boolean 'charged' for key {key!r}")

@@ -122,6 +122,9 @@ class Reconciler:
             except (WalletError, Unavailable, Retry, TimeoutError) as exc:  # next pass
                 errors += 1
                 _log.warning("wallet_reconcile_failed", debit_key=entry.debit_key, error=str(exc))
+            except Exception:  # a room that does not load (StoreInconsistent), a bug: this entry alone waits
+                errors += 1
+                _log.exception("wallet_reconcile_failed", debit_key=entry.debit_key, room_id=entry.room_id)
         return ReconcileReport(len(entries), claimed, refunded, errors, elsewhere)
 
     async def run(self, *, interval_s: float) -> None:
