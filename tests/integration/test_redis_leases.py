@@ -536,3 +536,45 @@ async def test_an_orphan_debit_of_a_busy_room_is_refunded_by_the_process_that_ho
         here = await reconciler(a).run_once()
         assert (here.checked, here.refunded, here.held_elsewhere) == (1, 1, 0)
         assert wallet.balances[(APP, "alice")] == charged + 10  # the rose's price, back
+
+
+async def test_a_turn_on_a_cell_whose_lease_ran_out_is_refused_and_the_new_holder_reconciles(
+    shared: Manager, database: Database, backend_url: str
+) -> None:
+    """A process whose lease ran out (a pause, Redis forgetting its keys) still has the room's cell;
+    a turn taken on it without confirming the lease let its reconciler refund a debit while the
+    room's new holder could commit the retried gift that claims it (found by review). The turn now
+    confirms the lease, as a command does before its commit."""
+    timing = {"ttl_s": 1.0, "renew_every_s": 0.2, "safety_margin_s": 0.3}
+    wallet = FakeWallet()
+    async with second_process(backend_url) as db_b:
+        a = room_service(database, shared.new("proc-a", **timing), wallet)  # renews only on its commands
+        b = room_service(db_b, shared.new("proc-b", **timing), wallet)
+        await a.execute(APP, ROOM, "c1", c.CreateRoom(owner_id="olivia", title="Friday"))
+        await a.execute(APP, ROOM, "c2", c.JoinRoom(user_id="alice"))
+        wallet.fail_after_debit = True
+        rose = c.SendGift(sender_id="alice", receiver_id="olivia", gift_id="rose", count=1)
+        with pytest.raises(errors.Unavailable):
+            await a.execute(APP, ROOM, "g1", rose)
+        wallet.fail_after_debit = False
+        charged = wallet.balances[(APP, "alice")]
+        await eventually(lambda: b.registry.cell(APP, ROOM), within_s=1.0 + SLACK, what="takeover")
+        assert a.registry.peek(APP, ROOM) is not None  # A never heard: its cell is still there
+
+        entered: list[str] = []
+        with pytest.raises(LeaseUnavailable):
+            async with a.registry.holding(APP, ROOM):
+                entered.append("A")
+        assert entered == [] and a.registry.peek(APP, ROOM) is None  # refused, and the stale cell is gone
+
+        def reconciler(service: RoomService) -> Reconciler:
+            return Reconciler(
+                journal=service.journal, wallet=wallet, store=service.store, reconcile_after_ms=0,
+                clock=lambda: 2**62, room_turn=service.registry.holding,
+            )  # fmt: skip
+
+        assert (await reconciler(a).run_once()).held_elsewhere == 1
+        assert (await reconciler(b).run_once()).refunded == 1
+        assert wallet.balances[(APP, "alice")] == charged + 10
+        await b.registry.close()
+        await a.registry.close()

@@ -102,12 +102,19 @@ class CellRegistry:
 
     @asynccontextmanager
     async def holding(self, app_code: str, room_id: str) -> AsyncIterator[None]:
-        """Hold the room's turn, as a command does: nothing else runs on the room meanwhile."""
+        """Hold the room's turn, as a command does: nothing else runs on the room meanwhile. The
+        lease is confirmed first, as a command confirms it before its commit: a cell whose lease
+        ran out (another process may hold the room now) raises LeaseUnavailable and is retired."""
         for _attempt in range(3):
             cell = await self.cell(app_code, room_id)
             async with cell.turn():
                 if cell.retired:  # replaced while we queued: take the fresh one
                     continue
+                try:
+                    cell.lease = await self.leases.ensure(cell.lease)
+                except LeaseUnavailable:
+                    await self.retire(cell, lost="ensure")
+                    raise
                 try:
                     yield
                     return
