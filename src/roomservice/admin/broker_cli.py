@@ -19,8 +19,10 @@ process's ``/metrics`` (``room_consumer_messages_total``,
 ``GET /admin/consumers``; no store keeps it, so this command, a process of its
 own, cannot show it.
 
-Exit codes: 0 done; 1 the broker or database did not answer, or some ids were
-not dead letters of the group; 2 bad arguments (unknown group, no ids and no --all).
+Exit codes: 0 done; 1 the broker or database did not answer (or has no schema), or
+some ids were not dead letters of the group; 2 bad arguments (unknown group, no ids
+and no --all, ids and --all). A bulk replay shows its progress on stderr; one that
+fails part way audits what it replayed and says how far it got.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, TextIO, TypeVar, cast
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from sqlalchemy.exc import SQLAlchemyError
 
 from roomservice import errors
 from roomservice.admin.dead_letters import DeadLetterAdmin, describe, group_row
@@ -96,8 +101,19 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[DeadLetterAdmin], 
 
     try:
         return asyncio.run(main())
-    except (errors.Unavailable, errors.Retry) as exc:
-        _fail(str(exc), 1)
+    except (errors.RoomServiceError, SQLAlchemyError) as exc:  # one line, never a traceback
+        _fail(str(exc) + _missing_schema(exc), 1)
+
+
+def _missing_schema(exc: BaseException) -> str:
+    """A hint when the database under the error has no schema (an empty file, a database never migrated)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(getattr(seen, "orig", None) or seen)
+        if "no such table" in text or "doesn't exist" in text or "1146" in text:
+            return f" ({text[:160]}: is the database migrated? room-service db upgrade)"
+        seen = seen.__cause__ or seen.__context__
+    return ""
 
 
 def _group(groups: list[GroupSpec], name: str) -> GroupSpec:
@@ -207,10 +223,23 @@ def replay_command(
     """Deliver dead letters to their group again (that group only, same key)."""
     if not message_ids and not replay_all:
         _fail("name the dead letters to replay, or give --all")
+    if message_ids and replay_all:
+        _fail("give either MESSAGE_ID... or --all, not both")
 
     async def work(admin: DeadLetterAdmin) -> dict[str, list[str]]:
         spec = _group(admin.groups, group)
-        result = await admin.replay(spec.group, None if replay_all else list(message_ids or []), actor=_actor())
+        with Progress(
+            TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=Console(stderr=True),
+        ) as bar:
+            task = bar.add_task("replay", total=None)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+            result = await admin.replay(
+                spec.group, None if replay_all else list(message_ids or []), actor=_actor(), progress=progress
+            )
         return {"replayed": list(result.replayed), "not_dead_letters": list(result.not_dead_letters)}
 
     report = _run(config, data_dir, work)

@@ -11,7 +11,7 @@ the ``room_outbox_event`` envelope, or a treasure wake-up.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -100,25 +100,67 @@ class DeadLetterAdmin:
                 return letter
         raise errors.NotFound(f"not a dead letter of {spec.group}: {message_id[:80]!r}")
 
-    async def replay(self, group: str, message_ids: Sequence[str] | None, *, actor: str) -> DeadLetterReplay:
-        """Replay ``message_ids`` (``None``: every dead letter) to ``group`` only; audit each replayed one."""
+    async def replay(
+        self,
+        group: str,
+        message_ids: Sequence[str] | None,
+        *,
+        actor: str,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> DeadLetterReplay:
+        """Replay ``message_ids`` (``None``: every dead letter, listed again page by page until none
+        is left) to ``group`` only; audit each replayed one. ``progress(done, total)`` after each.
+
+        The port lists dead letters (oldest first, at most :data:`MAX_DEAD_LETTERS` a call) and has
+        no look-up by id: a named id among the listed ones is audited with its key and delivery
+        count, one past them with its message id alone. When the broker fails part way, what was
+        replayed is audited before the error is raised, and the error says how far it got."""
         spec = self.group(group)
-        letters = {d.message_id: d for d in await self.broker.dead_letters(spec.group, limit=MAX_DEAD_LETTERS)}
-        ids = list(letters) if message_ids is None else list(dict.fromkeys(message_ids))
+        listed = await self.broker.dead_letters(spec.group, limit=MAX_DEAD_LETTERS)
+        letters = {d.message_id: d for d in listed}
+        every = message_ids is None
+        ids = list(letters) if every else list(dict.fromkeys(message_ids or ()))
+        more = every and len(listed) == MAX_DEAD_LETTERS
         done: list[str] = []
         missing: list[str] = []
-        for message_id in ids:
-            (done if await self.broker.replay_dead_letter(spec.group, message_id) else missing).append(message_id)
-        await self.audit.record_audit(
-            [
-                (letters[m].key, {"group": spec.group, "message_id": m, "delivery_count": letters[m].delivery_count})
-                for m in done
-                if m in letters and letters[m].key
-            ],
-            action="consumer_replay",
-            actor=actor,
-        )
+        total = len(ids)
+        failure: errors.RoomServiceError | None = None
+        try:
+            while True:
+                for message_id in ids:
+                    replayed = await self.broker.replay_dead_letter(spec.group, message_id)
+                    (done if replayed else missing).append(message_id)
+                    if progress is not None:
+                        progress(len(done) + len(missing), total)
+                if not more:
+                    break
+                # --all past the first page: those replayed are no longer dead letters
+                listed = await self.broker.dead_letters(spec.group, limit=MAX_DEAD_LETTERS)
+                tried = {*done, *missing}
+                ids = [d.message_id for d in listed if d.message_id not in tried]
+                letters.update((d.message_id, d) for d in listed)
+                total += len(ids)
+                more = bool(ids) and len(listed) == MAX_DEAD_LETTERS
+        except errors.RoomServiceError as exc:
+            failure = exc
+        entries = [_audit_entry(spec.group, m, letters.get(m)) for m in done]
+        await self.audit.record_audit(entries, action="consumer_replay", actor=actor)
+        if failure is not None:
+            if not failure.retryable:
+                raise failure
+            raise errors.Unavailable(
+                f"replay stopped after {len(done)} of {total} dead letter(s) of {spec.group} (those were "
+                f"replayed and audited): {failure.message}"
+            ) from failure
         return DeadLetterReplay(spec.group, tuple(done), tuple(missing))
+
+
+def _audit_entry(group: str, message_id: str, letter: DeadLetter | None) -> tuple[str, dict[str, Any]]:
+    """The audit row of one replayed dead letter, under its key (the event id); a named one the listing
+    did not reach (past :data:`MAX_DEAD_LETTERS`) under its message id, its key unknown here."""
+    if letter is None or not letter.key:
+        return message_id, {"group": group, "message_id": message_id, "key": None}
+    return letter.key, {"group": group, "message_id": message_id, "delivery_count": letter.delivery_count}
 
 
 def describe(letter: DeadLetter) -> dict[str, Any]:

@@ -94,6 +94,9 @@ T = TypeVar("T")
 
 NAME_MAX_CHARS: Final = 128  # topic, group and key: ASCII (case-sensitive on MySQL)
 LABEL_MAX_CHARS: Final = 255  # tag and sharding key
+# A message body's limit, as NATS' default max_payload: an outbox envelope is a few KiB at most. A body
+# past MariaDB's max_allowed_packet failed its whole publish batch as "unavailable" and was retried.
+BODY_MAX_BYTES: Final = 1024 * 1024
 LAST_ERROR_MAX_CHARS: Final = 2000
 RECEIPT_BYTES: Final = 16  # 32 hex characters
 CRASHED_REASON: Final = "no ack within the visibility timeout of its last delivery"
@@ -374,6 +377,8 @@ class EmbeddedBroker:
         _check_name("key", message.key)
         _check_label("tag", message.tag)
         _check_label("sharding_key", message.sharding_key)
+        if len(message.body) > BODY_MAX_BYTES:
+            raise BrokerError(f"message too large: {len(message.body)} bytes, at most {BODY_MAX_BYTES}")
         now = self._clock()
         values = {
             "topic": message.topic,
@@ -503,7 +508,7 @@ class EmbeddedBroker:
         ]
 
     async def replay_dead_letter(self, group: str, message_id: str) -> bool:
-        if not message_id.isdigit():
+        if not _canonical_id(message_id):  # the ids it lists; anything else names no message ("01", "²")
             return False
         params = {"b_group": group, "b_id": int(message_id), "b_now": self._clock()}
         replayed = await self._store(self.db.run_write(_execute, _REPLAY, params)) == 1
@@ -701,6 +706,20 @@ def _publish_all(conn: Connection, messages: list[tuple[dict[str, Any], int]]) -
 def _ack_all(conn: Connection, receipts: list[dict[str, Any]]) -> list[None]:
     conn.execute(_ACK, receipts)  # one executemany; a stale receipt deletes nothing, and nobody asks
     return [None] * len(receipts)
+
+
+_MAX_ID: Final = 2**63 - 1
+
+
+def _canonical_id(message_id: str) -> bool:
+    """Whether ``message_id`` is a message id as this broker writes it: decimal ASCII digits, no
+    leading zero, within the id column's range."""
+    return (
+        message_id.isascii()
+        and message_id.isdigit()
+        and str(int(message_id)) == message_id
+        and int(message_id) <= _MAX_ID
+    )
 
 
 def _declare(conn: Connection, topic: str, group: str, max_deliveries: int, now_ms: int) -> None:

@@ -20,7 +20,7 @@ from tests.conftest import count_calls, migrated_database
 from tests.contracts.brokers.base import DurableBrokerContract, message, unique
 from tests.contracts.test_outbox_repository import second_process
 
-from roomservice.brokers.embedded import CRASHED_REASON, EmbeddedBroker, open_embedded_broker
+from roomservice.brokers.embedded import BODY_MAX_BYTES, CRASHED_REASON, EmbeddedBroker, open_embedded_broker
 from roomservice.brokers.port import Broker, BrokerError, BrokerUnavailable, PipelinedBroker
 from roomservice.config import EmbeddedBrokerConfig
 from roomservice.store.database import Database
@@ -204,6 +204,22 @@ async def test_a_sent_message_is_checked_as_a_published_one_is(embedded: Embedde
     await embedded.close()
     with pytest.raises(BrokerUnavailable):
         await embedded.send(message(unique("topic"), "k"))
+
+
+async def test_a_body_too_large_is_refused_for_good_and_alone(embedded: EmbeddedBroker) -> None:
+    """Past MariaDB's max_allowed_packet a body failed as "unavailable" (retried for ever) and took the
+    publishes sharing its transaction with it (found by review): refused before any SQL, alone."""
+    topic, group = unique("topic"), unique("group")
+    await embedded.declare_group(topic, group, max_deliveries=3)
+    big = message(topic, "big", body=b"x" * (BODY_MAX_BYTES + 1))
+    small = message(topic, "small")
+    results = await asyncio.gather(embedded.publish(big, timeout_s=5), embedded.publish(small, timeout_s=5),
+                                   return_exceptions=True)
+    assert isinstance(results[0], BrokerError) and "too large" in str(results[0])
+    assert isinstance(results[1], str)
+    got = await embedded.fetch(topic, group, max_messages=10, wait_s=0, visibility_s=30)
+    assert [d.key for d in got] == ["small"]
+    assert await embedded.publish(message(topic, "at-limit", body=b"x" * BODY_MAX_BYTES), timeout_s=5)
 
 
 async def test_a_fetch_right_after_one_that_handed_messages_out_claims_checks_and_then_waits(
