@@ -50,7 +50,7 @@ from roomservice.store.port import (
     StoreConflict,
     StoreUnavailable,
 )
-from roomservice.wallet.journal import DebitJournal, JournalEntry
+from roomservice.wallet.journal import DebitJournal, JournalEntry, SettleInCommit
 from roomservice.wallet.port import (
     CommitWallet,
     DebitKeyConflict,
@@ -247,6 +247,7 @@ class RoomService:
             watch.lap()
             if self.commit_wallet is None:
                 await self._debit(app_code, room_id, command_id, gift, now_ms)
+                attached = SettleInCommit(debit_key(app_code, room_id, command_id))  # the journal entry goes
             else:  # written by save_mutation; this is its preparation only
                 attached = await self.commit_wallet.debit_in_commit(
                     key=debit_key(app_code, room_id, command_id),

@@ -1,9 +1,11 @@
 """The debit journal: the room service's durable record of the debits it asked the wallet for.
 
-A gift journals its debit key before asking an external wallet; reconciliation
-finds the entries whose command committed (claimed: the entry leaves the journal) and
-refunds the rest. A debit of the embedded wallet commits with its command in one
-transaction and needs no entry.
+A gift journals its debit key before asking an external wallet, and its commit deletes
+the entry in the same transaction (:class:`SettleInCommit`): an entry left behind is a
+debit whose command did not commit, and reconciliation refunds it (an entry of an older
+version whose command did commit is found claimed by the command log and dropped). A
+debit of the embedded wallet commits with its command in one transaction and needs no
+entry.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ class JournalEntry:
     user_id: str
     amount: int
     created_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SettleInCommit:
+    """The gift's journal entry deleted by the gift's own commit (an
+    :class:`~roomservice.store.port.AttachedWrite`): a committed gift leaves nothing to reconcile,
+    so no later reading of the command log (pruned after ``room.idempotency_retention``) can take
+    its debit for an orphan and refund it."""
+
+    debit_key: str
+
+    @property
+    def lock_order(self) -> tuple[str, ...]:
+        return ("~journal", self.debit_key)
+
+    async def write(self, writes: Writes, *, shared: bool) -> None:
+        await writes.execute_rendered(_FORGET, {"b_key": self.debit_key})  # never refused: fails nothing
+
+    def committed(self) -> None:
+        return None
 
 
 class DebitJournal:
