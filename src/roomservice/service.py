@@ -33,7 +33,7 @@ from roomservice.domain import events as e
 from roomservice.domain.decider import decide, replay, stamp
 from roomservice.domain.routing import Target, touches
 from roomservice.domain.rules import RoomRules
-from roomservice.domain.state import RoomState
+from roomservice.domain.state import CLOSED, RoomState
 from roomservice.domain.view import room_view
 from roomservice.leases.port import LeaseUnavailable
 from roomservice.observability import tracing
@@ -310,7 +310,10 @@ class RoomService:
 
         for wake in self.on_outbox_commit:
             wake()
-        if after.version % self.options.snapshot_every_n == 0:
+        closed_now = after.status == CLOSED and (before is None or before.status != CLOSED)
+        if after.version % self.options.snapshot_every_n == 0 or closed_now:
+            # (a closed room takes no more commands: without its last snapshot its log tail, which
+            # recovery would need, could never be pruned, and every prune pass scanned it again)
             await self._snapshot(after, now_ms)
             timing.snapshot_ms = watch.lap()
         await self._project(before, after)

@@ -87,3 +87,34 @@ async def test_only_the_lock_holder_sweeps(database: Database) -> None:
     finally:
         await holder.release(LOCK_NAME)
     assert await sweeper.sweep() == 1
+
+
+async def test_a_sweep_that_stops_with_work_left_says_so_and_a_failing_purge_stops_only_itself(
+    database: Database,
+) -> None:
+    """A sweep is bounded (max_batches a purge); the runner used to pause its whole interval after one
+    that stopped with rows left, capping what it could ever delete, and a purge that raised ended the
+    sweep for the purges after it (found by review)."""
+    calls: list[str] = []
+
+    async def failing(*, before_ms: int, limit: int) -> int:
+        calls.append("failing")
+        raise RuntimeError("this table is broken")
+
+    async def endless(*, before_ms: int, limit: int) -> int:
+        calls.append("endless")
+        return limit  # always a full batch: more is left
+
+    async def done(*, before_ms: int, limit: int) -> int:
+        calls.append("done")
+        return 0
+
+    sweeper = RetentionSweeper(
+        DatabaseMaintenanceLock(database), [failing, endless, done],
+        retention_ms=DAY, batch_size=5, clock=Clock(T0), max_batches=3,
+    )  # fmt: skip
+    assert await sweeper.sweep() == 15
+    assert calls == ["failing", "endless", "endless", "endless", "done"]
+    assert sweeper.behind
+    sweeper.purges = [done]
+    assert await sweeper.sweep() == 0 and not sweeper.behind

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+import sqlalchemy as sa
 from structlog.contextvars import merge_contextvars
 from structlog.testing import capture_logs
 from tests.service.conftest import Clock, RuntimeFactory
@@ -302,6 +303,24 @@ async def test_lost_lease_answers_retry(runtime: Process) -> None:
     with pytest.raises(errors.Retry):
         await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob"))
     assert (await run(runtime, "r1", "j1", c.JoinRoom(user_id="bob")))["version"] == 2
+
+
+async def test_a_room_that_closes_takes_its_last_snapshot_so_its_log_can_be_pruned(
+    runtime_factory: RuntimeFactory, clock: Clock
+) -> None:
+    """A closed room takes no more commands, so without a snapshot at its close its log tail was kept
+    for ever, and every prune pass scanned it again (found by review)."""
+    async with runtime_factory(**{"room.snapshot_every_n": 50}) as rt:
+        await open_room(rt, "r1", "bob")
+        assert await count(rt, t.room_snapshot) == 0
+        await run(rt, "r1", "close", c.CloseRoom(operator_id="owner"))
+        async with rt.db.read() as conn:
+            versions = (await conn.execute(sa.select(t.room_snapshot.c.version))).scalars().all()
+        assert list(versions) == [3]
+        clock.advance(8 * 86_400_000)
+        assert await rt.store.prune_command_log(before_ms=clock() - 7 * 86_400_000, batch_size=100) == 3
+        loaded = await rt.store.load_room(APP, "r1")
+        assert loaded.state is not None and loaded.state.status == "closed" and loaded.state.version == 3
 
 
 async def test_recovery_from_snapshot_and_log_equals_live_state(runtime_factory: RuntimeFactory, clock: Clock) -> None:
