@@ -11,13 +11,13 @@ import pytest_asyncio
 import sqlalchemy as sa
 from tests.api.conftest import ADMIN_TOKEN
 from tests.service.test_outbox_admin import HOUR, MIN, T0, Clock, gift_event, insert_rows, outbox_row, sample_rows
+from tests.service.test_replay_partial_cli import SecondBatchFails
 
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.api.app import ApiContext, create_app
 from roomservice.api.edge import token_ok
 from roomservice.bootstrap import Process
 from roomservice.store import tables as t
-from roomservice.store.port import StoreUnavailable
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -348,22 +348,6 @@ async def test_replay_rejects_non_json(admin_client: httpx.AsyncClient) -> None:
     assert_error(response, 400, "invalid_argument")
 
 
-class _SecondBatchFails:
-    """The runtime's Database, except that the second batch write finds the database gone."""
-
-    def __init__(self, db: Any) -> None:
-        self._db, self.writes = db, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._db, name)
-
-    async def run_long_write(self, *args: Any, **kwargs: Any) -> Any:
-        self.writes += 1
-        if self.writes == 2:
-            raise StoreUnavailable("database unavailable")
-        return await self._db.run_long_write(*args, **kwargs)
-
-
 @pytest.mark.parametrize("by", ["filter", "ids"])
 async def test_a_replay_cut_short_answers_503_with_the_batches_done(api_runtime: Process, by: str) -> None:
     """The batches committed before the failure are reported beside the error (a real outage:
@@ -371,7 +355,7 @@ async def test_a_replay_cut_short_answers_503_with_the_batches_done(api_runtime:
     ids = [f"bulk-{i:03}" for i in range(150)]
     await insert_rows(api_runtime.db, [outbox_row(gift_event(i, room="r5"), status="failed") for i in ids])
     admin = OutboxAdmin(api_runtime.db, clock=Clock())
-    admin.db = _SecondBatchFails(api_runtime.db)  # type: ignore[assignment]
+    admin.db = SecondBatchFails(api_runtime.db)  # type: ignore[assignment]
     app = create_app(
         ApiContext(service=api_runtime.service, health=api_runtime.health, admin_token=ADMIN_TOKEN, outbox_admin=admin)
     )

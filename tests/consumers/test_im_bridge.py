@@ -432,20 +432,28 @@ async def test_a_close_past_its_bound_sends_the_earlier_messages_itself_before_d
     assert await handle_all(handler, [joined, gift, kick]) == [Outcome.DUPLICATE] * 3  # their own deliveries
 
 
+async def join_then_close_past_the_bound(
+    make_handler: Make, database: Database, clock: Clock, *, max_deliveries: int
+) -> tuple[e.Event, e.Event, ImBridgeHandler]:
+    """A room created (its group made), a join not yet sent, the close committed 6 s ago (bound 5 s)."""
+    room = Room()
+    created = room.next(e.RoomCreated(owner_id=OWNER, title="t", seat_count=8))
+    joined = room.next(e.RoomUserJoined(user_id="bob", role="member"))
+    close = room.next(e.RoomClosed(operator_id=OWNER))
+    await commit(database, created, joined, close)
+    handler = make_handler(close_wait_s=5, max_deliveries=max_deliveries)
+    await handler.handle(delivery(created))
+    clock.offset_ms = 6_000  # past the bound: the join is still backing off
+    return joined, close, handler
+
+
 async def test_a_close_past_its_bound_does_not_destroy_over_a_transient_error_of_an_earlier_message(
     make_handler: Make, sandbox: RunningSandbox, database: Database, clock: Clock
 ) -> None:
     """IM flaky, not down: the earlier message the close sends itself gets one "try again" (10002)
     while the close's own steps would succeed. Destroying then swallowed the message for good (its own
     redelivery found the group destroyed and recorded it done; found by review). The close waits again."""
-    room = Room()
-    created = room.next(e.RoomCreated(owner_id=OWNER, title="t", seat_count=8))
-    joined = room.next(e.RoomUserJoined(user_id="bob", role="member"))
-    close = room.next(e.RoomClosed(operator_id=OWNER))
-    await commit(database, created, joined, close)
-    handler = make_handler(close_wait_s=5, max_deliveries=17)
-    await handler.handle(delivery(created))
-    clock.offset_ms = 6_000  # past the bound: the join is still backing off
+    joined, close, handler = await join_then_close_past_the_bound(make_handler, database, clock, max_deliveries=17)
     sandbox.state.inject_error("send_group_msg", 10002, "internal error, retry", count=1)
     with pytest.raises(Redeliver, match="1 failed for now"):
         await handler.handle(delivery(close))
@@ -487,14 +495,7 @@ async def test_on_its_last_delivery_a_close_destroys_past_a_transient_failure(
     make_handler: Make, sandbox: RunningSandbox, database: Database, clock: Clock
 ) -> None:
     """The bound on the wait stays: the last delivery forces past whatever is left, and names it."""
-    room = Room()
-    created = room.next(e.RoomCreated(owner_id=OWNER, title="t", seat_count=8))
-    joined = room.next(e.RoomUserJoined(user_id="bob", role="member"))
-    close = room.next(e.RoomClosed(operator_id=OWNER))
-    await commit(database, created, joined, close)
-    handler = make_handler(close_wait_s=5, max_deliveries=3)
-    await handler.handle(delivery(created))
-    clock.offset_ms = 6_000
+    joined, close, handler = await join_then_close_past_the_bound(make_handler, database, clock, max_deliveries=3)
     sandbox.state.inject_error("send_group_msg", 10002, "internal error, retry", count=1)
     with capture_logs() as logs:
         assert await handler.handle(delivery(close, count=3)) is Outcome.APPLIED

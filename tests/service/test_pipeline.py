@@ -216,6 +216,29 @@ async def test_a_debit_whose_command_id_another_command_took_is_refunded(
         assert wallet.balances[(APP, "bob")] == 10_000
 
 
+async def orphans_in(
+    rt: Process, wallet: FakeWallet, clock: Clock, rooms: list[str], *, failing: Exception
+) -> Reconciler:
+    """A debit and its journal entry in each of ``rooms`` (no command), and a reconciler whose turn on
+    any room but r1 raises ``failing``."""
+    journal = rt.commands.journal
+    for n, room in enumerate(rooms):
+        key = f"{APP}:{room}:gift-{n}"
+        await wallet.debit(key=key, app_code=APP, user_id="bob", amount=10)
+        await journal.record(JournalEntry(key, APP, room, f"gift-{n}", "bob", 10, clock.now_ms + n))
+
+    @contextlib.asynccontextmanager
+    async def room_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
+        if room_id != "r1":
+            raise failing
+        yield
+
+    return Reconciler(
+        journal=journal, wallet=wallet, store=rt.store, reconcile_after_ms=0, clock=lambda: clock.now_ms + 10,
+        room_turn=room_turn,
+    )
+
+
 async def test_reconciliation_goes_on_past_entries_that_keep_failing(
     runtime_factory: RuntimeFactory, wallet: FakeWallet, clock: Clock
 ) -> None:
@@ -223,21 +246,8 @@ async def test_reconciliation_goes_on_past_entries_that_keep_failing(
     at: every later orphan waited behind them for good (found by review)."""
     async with runtime_factory() as rt:
         journal = rt.commands.journal
-        for n, room in enumerate(["held", "held", "r1"]):
-            key = f"{APP}:{room}:gift-{n}"
-            await wallet.debit(key=key, app_code=APP, user_id="bob", amount=10)
-            await journal.record(JournalEntry(key, APP, room, f"gift-{n}", "bob", 10, clock.now_ms + n))
-
-        @contextlib.asynccontextmanager
-        async def room_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
-            if room_id == "held":
-                raise errors.Retry("a lost race")
-            yield
-
-        reconciler = Reconciler(
-            journal=journal, wallet=wallet, store=rt.store, reconcile_after_ms=0, clock=lambda: clock.now_ms + 10,
-            batch_size=2, room_turn=room_turn,
-        )
+        reconciler = await orphans_in(rt, wallet, clock, ["held", "held", "r1"], failing=errors.Retry("a lost race"))
+        reconciler._batch_size = 2
         report = await reconciler.run_once()
         assert (report.checked, report.errors, report.refunded) == (3, 2, 1)
         assert wallet.balances[(APP, "bob")] == 10_000 - 20  # the third refunded; the held two stay for later
@@ -251,21 +261,8 @@ async def test_an_entry_whose_room_does_not_load_waits_alone(
     entry behind it waited for good (found by review): it is one entry's error now."""
     async with runtime_factory() as rt:
         journal = rt.commands.journal
-        for n, room in enumerate(["broken", "r1"]):
-            key = f"{APP}:{room}:gift-{n}"
-            await wallet.debit(key=key, app_code=APP, user_id="bob", amount=10)
-            await journal.record(JournalEntry(key, APP, room, f"gift-{n}", "bob", 10, clock.now_ms + n))
-
-        @contextlib.asynccontextmanager
-        async def room_turn(app_code: str, room_id: str) -> AsyncIterator[None]:
-            if room_id == "broken":
-                raise StoreInconsistent(f"{room_id}: the log does not follow the snapshot")
-            yield
-
-        reconciler = Reconciler(
-            journal=journal, wallet=wallet, store=rt.store, reconcile_after_ms=0, clock=lambda: clock.now_ms + 10,
-            room_turn=room_turn,
-        )
+        broken = StoreInconsistent("broken: the log does not follow the snapshot")
+        reconciler = await orphans_in(rt, wallet, clock, ["broken", "r1"], failing=broken)
         with capture_logs() as logs:
             report = await reconciler.run_once()
         assert (report.checked, report.errors, report.refunded) == (2, 1, 1)
