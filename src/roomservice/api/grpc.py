@@ -65,6 +65,7 @@ A command refused before the pipeline (bad input) logs its one
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -353,6 +354,7 @@ class RoomApiServicer:
         self.service = service
         self._execute = execute
         self._room = room
+        self._orphans: set[asyncio.Task[dict[str, Any]]] = set()  # commands whose caller went away
 
     # ------------------------------------------------------------------ hooks
 
@@ -380,14 +382,32 @@ class RoomApiServicer:
             _log_refused(rpc, request, exc.code, watch.elapsed_ms())
             await _abort(context, exc)
         metadata = tuple(context.invocation_metadata() or ())
+        # Its own task, awaited through a shield: a call cancelled by its client or its deadline (or
+        # a server stop's grace running out) must not stop a command between its commit and what
+        # follows it (the room list, presence, the closing snapshot), as HTTP never stops one.
+        pipeline = asyncio.ensure_future(self.execute(app_code, room_id, command_id, command, metadata=metadata))
         try:
-            body = await self.execute(app_code, room_id, command_id, command, metadata=metadata)
-            return reply_of(body)
+            return reply_of(await asyncio.shield(pipeline))
+        except asyncio.CancelledError:
+            if not pipeline.done():
+                self._orphans.add(pipeline)
+                pipeline.add_done_callback(self._orphan_done)
+            raise
         except errors.RoomServiceError as exc:
             await _abort(context, exc)
         except Exception:
             _log.exception("grpc_unhandled_error", rpc=rpc)
             await _abort(context, errors.RoomServiceError())
+
+    def _orphan_done(self, task: asyncio.Task[dict[str, Any]]) -> None:
+        self._orphans.discard(task)
+        if not task.cancelled():
+            task.exception()  # its outcome is in its room_command_timing line; its caller is gone
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for commands whose callers went away (a server stop)."""
+        if self._orphans:
+            await asyncio.wait(list(self._orphans), timeout=timeout_s)
 
     async def CreateRoom(self, request: pb.CreateRoomRequest, context: grpc.aio.ServicerContext) -> pb.CommandReply:
         return await self._command("CreateRoom", request, context)
@@ -526,6 +546,12 @@ class RunningRoomApi(RunningGrpcServer):
     def __init__(self, server: grpc.aio.Server, servicer: RoomApiServicer, host: str, port: int) -> None:
         super().__init__(server, host, port)
         self.servicer = servicer
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """As a server stops, and then the commands of the calls its grace cut off run to their end
+        (within the same grace): none stops between its commit and what follows it."""
+        await super().stop(grace)
+        await self.servicer.drain(5.0 if grace is None else max(grace, 0.1))
 
 
 async def start_room_api(
