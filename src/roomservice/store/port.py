@@ -212,7 +212,7 @@ class RoomStore(Protocol):
         ...
 
     async def list_room_summaries(self, *, limit: int) -> list[RoomSummary]:
-        """Room meta rows, newest first, for seeding projections at start."""
+        """The meta rows of open rooms, newest first, for seeding and rebuilding projections."""
         ...
 
     async def prune_command_log(self, *, before_ms: int, batch_size: int) -> int:

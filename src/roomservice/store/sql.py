@@ -52,7 +52,7 @@ from sqlalchemy.sql.elements import BindParameter, TextClause
 from roomservice import errors, wire
 from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
-from roomservice.domain.state import RoomState
+from roomservice.domain.state import CLOSED, RoomState
 from roomservice.store.database import Database
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
@@ -248,6 +248,8 @@ _LIST_SUMMARIES: Final = (
         _meta.c.heat,
         _meta.c.updated_at_ms,
     )
+    # open rooms only: the limit must not be spent on closed ones (they dropped open rooms from a rebuild)
+    .where(_meta.c.status != CLOSED)
     .order_by(_meta.c.updated_at_ms.desc(), _meta.c.app_code, _meta.c.room_id)
     .limit(bindparam("limit"))
 )
