@@ -20,7 +20,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -118,6 +118,9 @@ class ServiceOptions:
     room_list_limit: int = 100
 
 
+UNPROJECTED_MAX: Final = 10_000
+
+
 @dataclass(slots=True)
 class RoomService:
     store: RoomStore
@@ -134,6 +137,9 @@ class RoomService:
     on_outbox_commit: list[Callable[[], None]] = field(default_factory=list)
     # ``wallet`` again when its ledger is in the store's database: debits go into the commit
     commit_wallet: CommitWallet | None = None
+    # rooms whose latest committed state the projections failed to take (Redis away): written again by
+    # repair_projections, since nothing else would for a closed or quiet room
+    unprojected: dict[tuple[str, str], RoomState] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ writes
 
@@ -378,10 +384,41 @@ class RoomService:
             _log.exception("snapshot_failed", app_code=state.app_code, room_id=state.room_id, version=state.version)
 
     async def _project(self, before: RoomState | None, after: RoomState) -> None:
+        key = (after.app_code, after.room_id)
         try:
             await self.projections.room_changed(before, after)
         except Exception as exc:
             _log.warning("projection_failed", app_code=after.app_code, room_id=after.room_id, error=repr(exc))
+            self.unprojected.pop(key, None)
+            self.unprojected[key] = after  # the newest state, last in order
+            while len(self.unprojected) > UNPROJECTED_MAX:  # bounded: the oldest go (a rebuild remains)
+                del self.unprojected[next(iter(self.unprojected))]
+        else:
+            if self.unprojected and key in self.unprojected:
+                del self.unprojected[key]  # a newer state went through: the repair is moot
+
+    async def repair_projections(self) -> int:
+        """Write again, in full, each room state the projections failed to take; how many went through.
+        A state older than what the projection holds by now is refused there as stale (versions)."""
+        repaired = 0
+        for key, state in list(self.unprojected.items()):
+            try:
+                await self.projections.room_changed(None, state)  # no "before": the whole room, members too
+            except Exception as exc:
+                _log.warning("projection_repair_failed", app_code=key[0], room_id=key[1], error=repr(exc))
+                break  # still away: the next round tries again
+            if self.unprojected.get(key) is state:
+                del self.unprojected[key]
+            repaired += 1
+        if repaired:
+            _log.info("projections_repaired", rooms=repaired, left=len(self.unprojected))
+        return repaired
+
+    async def run_projection_repair(self, *, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.unprojected:
+                await self.repair_projections()
 
     async def _create_group(self, app_code: str, room_id: str, state: RoomState) -> None:
         if self.groups is None:

@@ -58,6 +58,7 @@ class Commands:
         core.spawn("cell-eviction", self.registry.run_eviction(interval_s=evict_every))
         # wherever cells live: a room another process holds is that process's to reconcile (on Redis
         # leases a consume process serving treasure wake-ups holds rooms too, with no maintenance role)
+        core.spawn("projection-repair", self.service.run_projection_repair(interval_s=2.0))
         reconcile_every = core.settings.wallet.reconcile_interval.total_seconds()
         core.spawn("wallet-reconcile", self.reconciler.run(interval_s=reconcile_every))
         if self.redis_leases is not None:
