@@ -406,7 +406,12 @@ class RoomService:
                 await self.projections.room_changed(None, state)  # no "before": the whole room, members too
             except Exception as exc:
                 _log.warning("projection_repair_failed", app_code=key[0], room_id=key[1], error=repr(exc))
-                break  # still away: the next round tries again
+                if isinstance(exc, errors.Unavailable):
+                    break  # still away: the next round tries again
+                if self.unprojected.get(key) is state:  # this room alone: last in line, the others go on
+                    del self.unprojected[key]
+                    self.unprojected[key] = state
+                continue
             if self.unprojected.get(key) is state:
                 del self.unprojected[key]
             repaired += 1

@@ -420,3 +420,34 @@ async def test_a_projection_lost_while_redis_was_away_is_repaired_without_anothe
             assert process.service.unprojected == {}
             assert await room_ids(process) == ([] if lost == "close" else ["r1"])
             assert await present(process, "bob") is None
+
+
+async def test_a_room_the_projections_refuse_does_not_hold_up_the_repair_of_the_others(tmp_path: Path) -> None:
+    """Only an outage stops a repair round: a room refused for its own reason goes last in line."""
+    async with AsyncExitStack() as stack:
+        data_dir = tmp_path / "one"
+        data_dir.mkdir()
+        settings = make_settings(f"sqlite+aiosqlite:///{tmp_path}/room.db", data_dir)
+        process = await stack.enter_async_context(
+            Process.running(settings, clock=Clock(), roles=(API, MAINTENANCE), loops=False)
+        )
+        service = process.service
+        await create(process, "bad")
+        await create(process, "good")
+        states = {room: (await process.store.load_room(APP, room)).state for room in ("bad", "good")}
+        written: list[str] = []
+        real = service.projections.room_changed
+
+        async def refuses_bad(before: RoomState | None, after: RoomState) -> None:
+            if after.room_id == "bad":
+                raise ValueError("this room's entry does not fit")
+            written.append(after.room_id)
+            await real(before, after)
+
+        service.projections.room_changed = refuses_bad  # type: ignore[method-assign]
+        for room in ("bad", "good"):
+            state = states[room]
+            assert state is not None
+            service.unprojected[(APP, room)] = state
+        assert await service.repair_projections() == 1
+        assert written == ["good"] and list(service.unprojected) == [(APP, "bad")]
