@@ -384,18 +384,18 @@ class RoomService:
             _log.exception("snapshot_failed", app_code=state.app_code, room_id=state.room_id, version=state.version)
 
     async def _project(self, before: RoomState | None, after: RoomState) -> None:
-        key = (after.app_code, after.room_id)
         try:
             await self.projections.room_changed(before, after)
         except Exception as exc:
             _log.warning("projection_failed", app_code=after.app_code, room_id=after.room_id, error=repr(exc))
+            key = (after.app_code, after.room_id)
             self.unprojected.pop(key, None)
             self.unprojected[key] = after  # the newest state, last in order
             while len(self.unprojected) > UNPROJECTED_MAX:  # bounded: the oldest go (a rebuild remains)
                 del self.unprojected[next(iter(self.unprojected))]
         else:
-            if self.unprojected and key in self.unprojected:
-                del self.unprojected[key]  # a newer state went through: the repair is moot
+            if self.unprojected:  # (empty but after an outage: nothing to look up on the command path)
+                self.unprojected.pop((after.app_code, after.room_id), None)  # a newer state went through
 
     async def repair_projections(self) -> int:
         """Write again, in full, each room state the projections failed to take; how many went through.

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from structlog.testing import capture_logs
 from tests.api.conftest import ADMIN_TOKEN
 from tests.service.conftest import T0, Clock, make_settings
+from tests.tracing.test_tracing_chain import eventually
 
 from roomservice import errors
 from roomservice.api import grpc as room_grpc
@@ -726,13 +727,6 @@ async def test_take_mic_without_a_seat_is_refused_as_over_http(faces: Faces) -> 
     assert taken["room"]["seats"][0]["user_id"] == "bob"
 
 
-async def _until(probe: Callable[[], Awaitable[bool]], what: str, within_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not await probe():
-        assert asyncio.get_running_loop().time() < deadline, f"not in time: {what}"
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize("slow", ["save_mutation", "save_snapshot"])
 async def test_a_call_cut_off_by_its_deadline_does_not_stop_its_command_half_way(faces: Faces, slow: str) -> None:
     """grpc.aio cancels a handler whose caller's deadline passed; the command was stopped wherever it
@@ -768,7 +762,7 @@ async def test_a_call_cut_off_by_its_deadline_does_not_stop_its_command_half_way
             return presence["room_id"] == "g1" and listing["rooms"][0]["member_count"] == 3
         return listing == {"rooms": []}
 
-    await _until(projected, "the cut-off command's projections")
+    await eventually(projected, deadline_s=10.0, what="the cut-off command's projections")
     setattr(store, slow, real)
     again = room_grpc.body_of(await call(request))
     assert again["replayed"] is True

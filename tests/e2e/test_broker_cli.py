@@ -27,19 +27,7 @@ GROUP, TOPIC = "hyapp-room-im-bridge", "hyapp_room_outbox"
 def test_dead_letters_are_listed_then_replayed_to_their_group_and_audited(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     data = tmp_path / "data"
     data.mkdir()
-
-    async def bury() -> None:
-        async with opened_database(f"sqlite+aiosqlite:///{data}/room.db", migrate=True) as db:
-            broker = EmbeddedBroker(db)
-            await broker.declare_group(TOPIC, GROUP, max_deliveries=1)
-            for key in ("ev-a", "ev-b"):
-                await broker.publish(
-                    OutgoingMessage(topic=TOPIC, body=b"x", key=key, tag="RoomUserJoined"), timeout_s=5
-                )
-            for delivery in await broker.fetch(TOPIC, GROUP, max_messages=10, wait_s=1, visibility_s=30):
-                await broker.nack(delivery, delay_s=0, reason="IM down")
-
-    asyncio.run(bury())
+    bury(data, ["ev-a", "ev-b"])
     monkeypatch.setenv("USER", "ops-kim")
     runner = CliRunner()
     listed = runner.invoke(app, ["broker", "dead-letters", GROUP, "--data-dir", str(data), "--json"])

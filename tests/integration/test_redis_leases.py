@@ -503,6 +503,14 @@ async def test_a_lease_lost_while_redis_hangs_evicts_the_rooms_cell_through_on_l
     await registry.close()
 
 
+def reconciler(service: RoomService, wallet: FakeWallet) -> Reconciler:
+    """The reconciler of ``service``'s process, every journal entry old enough, turns as its registry takes them."""
+    return Reconciler(
+        journal=service.journal, wallet=wallet, store=service.store, reconcile_after_ms=0,
+        clock=lambda: 2**62, room_turn=service.registry.holding,
+    )  # fmt: skip
+
+
 async def test_an_orphan_debit_of_a_busy_room_is_refunded_by_the_process_that_holds_it(
     shared: Manager, database: Database, backend_url: str
 ) -> None:
@@ -524,16 +532,10 @@ async def test_an_orphan_debit_of_a_busy_room_is_refunded_by_the_process_that_ho
         wallet.fail_after_debit = False
         charged = wallet.balances[(APP, "alice")]
 
-        def reconciler(service: RoomService) -> Reconciler:
-            return Reconciler(
-                journal=service.journal, wallet=wallet, store=service.store, reconcile_after_ms=0,
-                clock=lambda: 2**62, room_turn=service.registry.holding,
-            )  # fmt: skip
-
-        elsewhere = await reconciler(b).run_once()
+        elsewhere = await reconciler(b, wallet).run_once()
         assert (elsewhere.checked, elsewhere.held_elsewhere, elsewhere.errors, elsewhere.refunded) == (1, 1, 0, 0)
         await a.execute(APP, ROOM, "j1", c.JoinRoom(user_id="u1"))  # the room stays busy on A
-        here = await reconciler(a).run_once()
+        here = await reconciler(a, wallet).run_once()
         assert (here.checked, here.refunded, here.held_elsewhere) == (1, 1, 0)
         assert wallet.balances[(APP, "alice")] == charged + 10  # the rose's price, back
 
@@ -567,14 +569,8 @@ async def test_a_turn_on_a_cell_whose_lease_ran_out_is_refused_and_the_new_holde
                 entered.append("A")
         assert entered == [] and a.registry.peek(APP, ROOM) is None  # refused, and the stale cell is gone
 
-        def reconciler(service: RoomService) -> Reconciler:
-            return Reconciler(
-                journal=service.journal, wallet=wallet, store=service.store, reconcile_after_ms=0,
-                clock=lambda: 2**62, room_turn=service.registry.holding,
-            )  # fmt: skip
-
-        assert (await reconciler(a).run_once()).held_elsewhere == 1
-        assert (await reconciler(b).run_once()).refunded == 1
+        assert (await reconciler(a, wallet).run_once()).held_elsewhere == 1
+        assert (await reconciler(b, wallet).run_once()).refunded == 1
         assert wallet.balances[(APP, "alice")] == charged + 10
         await b.registry.close()
         await a.registry.close()
