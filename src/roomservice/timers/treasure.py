@@ -48,7 +48,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import BigInteger, Connection, Executable, Select, and_, bindparam, delete, func, or_, select, update
+from sqlalchemy import BigInteger, Connection, Executable, Select, and_, bindparam, func, or_, select, update
 from sqlalchemy.sql.elements import BindParameter
 
 from roomservice import errors
@@ -57,6 +57,7 @@ from roomservice.domain.events import Event, RoomTreasureCountdownStarted
 from roomservice.observability.logging import get_logger
 from roomservice.store.database import Database
 from roomservice.store.port import StoreUnavailable
+from roomservice.store.purge import OldestFirst
 from roomservice.store.tables import treasure_timer
 
 _log = get_logger("roomservice.timers.treasure")
@@ -197,13 +198,6 @@ _RESCHEDULE = (
     )
 )
 _NEXT_FIRE_AT = select(func.min(_t.c.fire_at_ms)).where(_t.c.status == SCHEDULED)
-_PURGEABLE = (
-    select(_t.c.app_code, _t.c.room_id, _t.c.box_id)
-    .where(_t.c.status == FIRED, _t.c.fire_at_ms < bindparam("b_before_ms"))
-    .order_by(_t.c.fire_at_ms)
-    .limit(bindparam("b_limit"))
-)
-_DELETE_FIRED = delete(_t).where(_PK_MATCH, _t.c.status == FIRED)
 
 
 def _claim(conn: Connection, due: Select[Any], *, owner: str, now_ms: int, lock_ms: int, limit: int) -> list[_Claim]:
@@ -244,17 +238,6 @@ def _execute(conn: Connection, stmt: Executable, params: list[dict[str, Any]]) -
     return int(result.rowcount)
 
 
-def _purge(conn: Connection, params: dict[str, Any]) -> int:
-    keys = [
-        {"b_app_code": r.app_code, "b_room_id": r.room_id, "b_box_id": r.box_id}
-        for r in conn.execute(_PURGEABLE, params)
-    ]
-    if not keys:
-        return 0
-    conn.execute(_DELETE_FIRED, keys)
-    return len(keys)
-
-
 # --------------------------------------------------------------------------- the timer
 
 
@@ -270,6 +253,7 @@ class DatabaseTreasureTimer:
         on_scheduled: Callable[[], None] | None = None,
     ) -> None:
         self.db = db
+        self._purge_fired = OldestFirst(db, _t, _t.c.fire_at_ms, _t.c.status == FIRED)
         self.clock = clock
         self.owner = owner
         # called after a schedule committed (wire it to TreasureTimerRunner.wake)
@@ -409,7 +393,7 @@ class DatabaseTreasureTimer:
 
     async def purge_fired(self, *, before_ms: int, limit: int) -> int:
         """Delete up to ``limit`` timers that fired before ``before_ms``; returns how many."""
-        return await self.db.run_long_write(_purge, {"b_before_ms": before_ms, "b_limit": limit})
+        return await self._purge_fired(before_ms=before_ms, limit=limit)
 
 
 def _describe(exc: BaseException) -> str:
