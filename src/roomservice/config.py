@@ -560,6 +560,12 @@ class ConsumersConfig(_Block):
     # Ours: how long a delivery may go unacknowledged (a consumer that died or hangs) before the broker
     # hands it out again, in every group. Unset: max(5s, 2 × outbox_worker.publish_timeout).
     visibility_timeout: PositiveDuration | None = None
+    # Ours: how long an applied event's id is remembered by what deduplicates on it — the IM
+    # publisher and bridge (im_sent_event; a group's destroy is kept for good), the activity service
+    # (activity_processed_event), the notice group (notice_delivery_events once sent or failed). The
+    # maintenance role (and `room-service activity serve`) forgets older ids in bounded batches; the
+    # same event delivered or replayed later is applied again.
+    dedup_retention: PositiveDuration = _d("720h")
 
     def visibility(self, publish_timeout: timedelta) -> timedelta:
         """The visibility timeout in force: the key, or the default derived from ``publish_timeout``."""
@@ -642,6 +648,19 @@ class Settings(_Block):
                 "keeps a received message invisible for at least minInvisibleTimeMillsForRecv, 10s by default, "
                 "and at most 12h)",
                 "consumers.visibility_timeout",
+            )
+        dedup, delivered = self.consumers.dedup_retention, self.outbox_worker.delivered_retention
+        if dedup < delivered:
+            _fail(
+                f"must be >= outbox_worker.delivered_retention ({format_duration(delivered)}): the IM bridge "
+                "reads a room's outbox rows against their sent records",
+                "consumers.dedup_retention",
+            )
+        if self.broker.driver == "embedded" and _broker_in_use(self) and dedup < self.broker.embedded.retention:
+            _fail(
+                f"must be >= broker.embedded.retention ({format_duration(self.broker.embedded.retention)}): "
+                "a message the broker keeps may be delivered again",
+                "consumers.dedup_retention",
             )
         if self.lease.driver == "redis" and not self.redis.url:
             _fail("must be set when lease.driver is redis", "redis.url")

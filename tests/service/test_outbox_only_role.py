@@ -17,7 +17,8 @@ from roomservice.domain import commands as c
 from roomservice.outbox.model import BROKER, TREASURE_WAKEUP
 
 ROOM_TASKS = {
-    "cell-eviction", "lease-renewal", "projections-rebuild", "treasure-timer", "outbox-retention", "wallet-reconcile"
+    "cell-eviction", "lease-renewal", "projections-rebuild", "treasure-timer", "outbox-retention", "dedup-retention",
+    "wallet-reconcile",
 }
 
 

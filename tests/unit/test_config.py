@@ -359,6 +359,19 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"consumers": {"max_backoff": "500ms"}}, "consumers.max_backoff must be >= consumers.initial_backoff (1s)"),
     ({"consumers": {"initial_backoff": "0s"}}, "consumers.initial_backoff must be > 0"),
     ({"consumers": {"visibility_timeout": "0s"}}, "consumers.visibility_timeout must be > 0"),
+    ({"consumers": {"dedup_retention": "0s"}}, "consumers.dedup_retention must be > 0"),
+    (
+        {"consumers": {"dedup_retention": "100h"}},
+        "consumers.dedup_retention must be >= outbox_worker.delivered_retention (168h)",
+    ),
+    (  # the embedded broker in use keeps messages longer than the dedup records
+        {
+            "consumers": {"dedup_retention": "200h"},
+            "broker": {"embedded": {"retention": "300h"}},
+            "rocketmq": {"treasure_open": {"enabled": True}},
+        },
+        "consumers.dedup_retention must be >= broker.embedded.retention (300h)",
+    ),
     (
         {"outbox_worker": {"retry_strategy": "linear"}},
         "outbox_worker.retry_strategy must be one of exponential_backoff",

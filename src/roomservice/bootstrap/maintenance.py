@@ -10,6 +10,8 @@ from roomservice.bootstrap.commands import Commands
 from roomservice.bootstrap.core import Core, ms
 from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.brokers.port import Broker
+from roomservice.consumers.dedup_retention import LOCK_NAME as DEDUP_RETENTION_LOCK
+from roomservice.consumers.dedup_retention import dedup_purges
 from roomservice.leases.leader import RedisMaintenanceLock
 from roomservice.leases.maintenance import DatabaseMaintenanceLock
 from roomservice.observability.logging import get_logger
@@ -28,10 +30,12 @@ class Maintenance:
     retention: RetentionSweeper
     commands: Commands
     outbox_admin: OutboxAdmin
+    dedup_retention: RetentionSweeper
     broker_retention: RetentionSweeper | None = None
 
     def start(self, core: Core) -> None:
         core.spawn("outbox-retention", self.retention.run(interval_s=60.0))
+        core.spawn("dedup-retention", self.dedup_retention.run(interval_s=60.0))
         if self.broker_retention is not None:
             core.spawn("broker-retention", self.broker_retention.run(interval_s=60.0))
         core.spawn("command-log-retention", self._prune_command_log(core, interval_s=300.0))
@@ -94,6 +98,14 @@ def build_maintenance(
         batch_size=outbox.retention_batch_size,
         clock=core.clock,
     )
+    dedup_retention = RetentionSweeper(
+        lock,
+        dedup_purges(core.db),
+        retention_ms=ms(settings.consumers.dedup_retention),
+        batch_size=outbox.retention_batch_size,
+        clock=core.clock,
+        lock_name=DEDUP_RETENTION_LOCK,
+    )
     broker_retention = None
     if isinstance(broker, EmbeddedBroker):  # the other brokers keep their own retention
         broker_retention = RetentionSweeper(
@@ -108,5 +120,6 @@ def build_maintenance(
         retention=retention,
         commands=commands,
         outbox_admin=outbox_admin,
+        dedup_retention=dedup_retention,
         broker_retention=broker_retention,
     )

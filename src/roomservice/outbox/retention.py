@@ -70,7 +70,7 @@ class RetentionSweeper:
             await self.lock.release(self.lock_name)
         self.behind = behind
         if deleted:
-            _log.info("outbox_retention_swept", deleted=deleted, retention_ms=self.retention_ms)
+            _log.info("outbox_retention_swept", lock=self.lock_name, deleted=deleted, retention_ms=self.retention_ms)
         return deleted
 
     async def run(self, *, interval_s: float, behind_interval_s: float = 1.0) -> None:
