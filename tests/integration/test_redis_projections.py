@@ -32,8 +32,9 @@ from roomservice.api.app import ApiContext, create_app
 from roomservice.bootstrap import API, MAINTENANCE, Process
 from roomservice.domain import commands as c
 from roomservice.domain.state import RoomState
+from roomservice.projections.loader import store_loader
 from roomservice.projections.port import RoomListEntry
-from roomservice.projections.redis import ProjectionsUnavailable, RedisProjections, connect, store_loader
+from roomservice.projections.redis import ProjectionsUnavailable, RedisProjections, connect
 
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 

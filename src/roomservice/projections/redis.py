@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Final, TypeAlias
+from typing import Any, Final
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -45,8 +45,8 @@ from redis.exceptions import RedisError
 from roomservice import errors
 from roomservice.domain.state import CLOSED, RoomState
 from roomservice.observability.logging import get_logger
+from roomservice.projections.loader import Loader, RebuildItem
 from roomservice.projections.port import RoomListEntry
-from roomservice.store.port import RoomStore, StoreInconsistent
 
 _log = get_logger("roomservice.projections.redis")
 
@@ -56,8 +56,6 @@ TOMBSTONE_TTL_MS: Final = 86_400_000
 REBUILD_CONCURRENCY: Final = 8  # rooms written to Redis at once during a rebuild
 
 # What a rebuild loads: full room states (list entry and presence) or list entries alone.
-RebuildItem: TypeAlias = RoomState | RoomListEntry
-Loader: TypeAlias = Callable[[], Awaitable[Sequence[RebuildItem]]]
 
 APPLIED, STALE, NEED_FULL = 0, 1, 2
 
@@ -349,25 +347,3 @@ class RedisProjections:
             raise ProjectionsUnavailable(f"Redis did not answer {what} within {self.timeout_s}s") from exc
         except (RedisError, OSError) as exc:
             raise ProjectionsUnavailable(f"Redis {what} failed: {exc!r}") from exc
-
-
-def store_loader(store: RoomStore, *, limit: int = 10_000, concurrency: int = 4) -> Loader:
-    """A rebuild loader: the open rooms among the ``limit`` newest room_meta rows, each loaded in full
-    (snapshot + log, ``concurrency`` at a time) so that presence comes back with the list."""
-
-    async def load() -> list[RebuildItem]:
-        summaries = [s for s in await store.list_room_summaries(limit=limit) if s.status != CLOSED]
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(app_code: str, room_id: str) -> RoomState | None:
-            async with gate:
-                try:
-                    return (await store.load_room(app_code, room_id)).state
-                except StoreInconsistent as exc:  # this room cannot be served either; the others can
-                    _log.warning("projections_rebuild_skipped_room", app_code=app_code, room_id=room_id, error=str(exc))
-                    return None
-
-        states = await asyncio.gather(*(one(s.app_code, s.room_id) for s in summaries))
-        return [state for state in states if state is not None and state.status != CLOSED]
-
-    return load
