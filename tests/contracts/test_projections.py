@@ -310,6 +310,48 @@ class TestInProcessProjections(ProjectionsContract):
         return InProcessProjections()
 
 
+class TestInProcessPresenceRestore:
+    """After a restart the in-process projections get the list from ``seed`` at once and presence from
+    ``restore`` later, from rooms loaded in full meanwhile; what commands projected in between wins."""
+
+    async def test_members_of_loaded_rooms_are_present_unless_a_command_came_first(self) -> None:
+        before = InProcessProjections()  # the process before the restart
+        quiet, busy, closing, left = (Room(before, r) for r in ("quiet", "busy", "closing", "left"))
+        for room in (quiet, busy, closing, left):
+            await room.create()
+        seeded = [await quiet.join("ann", "bob"), await busy.join("cid"), await closing.join("dan")]
+        seeded.append(await left.join("eve", "fay"))
+
+        after = InProcessProjections()  # restarted: the list seeded from the database
+        after.expect_restore()
+        await after.seed([RoomListEntry.of(state) for state in seeded])
+        for room in (quiet, busy, closing, left):
+            room.projections = after
+        # commands between the seed and the load: the load sees them
+        left_now = await left.run(c.LeaveRoom(user_id="fay"))
+        other = Room(after, "other")
+        await other.create()
+        await other.join("eve")  # eve is still in "left" too: the command's answer is the newer
+        loaded = [seeded[0], seeded[1], seeded[2], left_now]
+        # commands after the load: newer than it
+        await busy.join("gus")
+        await closing.run(c.CloseRoom(operator_id=OWNER))
+        await busy.run(c.LeaveRoom(user_id="cid"))
+
+        assert await after.restore(loaded) == 3  # closing closed since
+        present = {u: await after.room_of(APP, u) for u in ("ann", "bob", "cid", "dan", "eve", "fay", "gus")}
+        assert present == {
+            "ann": "quiet", "bob": "quiet", "cid": None, "dan": None, "eve": "other", "fay": None, "gus": "busy",
+        }
+        assert sorted(await listed(after)) == ["busy", "left", "other", "quiet"]  # not "closing"
+        entries = {e.room_id: e for e in await after.list_rooms(APP, limit=LIMIT)}
+        assert entries["busy"] == RoomListEntry.of(busy.state)  # newer than the load: kept
+
+        await quiet.run(c.LeaveRoom(user_id="ann"))  # after the restore, commands project as always
+        await other.run(c.LeaveRoom(user_id="eve"))
+        assert (await after.room_of(APP, "ann"), await after.room_of(APP, "eve")) == (None, None)
+
+
 @pytest.fixture
 def redis_url(require_service: RequireService) -> str:
     require_service("Redis", "127.0.0.1", 6379)

@@ -18,7 +18,7 @@ from roomservice.outbox.model import BROKER, TREASURE_WAKEUP
 
 ROOM_TASKS = {
     "cell-eviction", "lease-renewal", "projections-rebuild", "treasure-timer", "outbox-retention", "dedup-retention",
-    "wallet-reconcile",
+    "wallet-reconcile", "presence-restore",
 }
 
 

@@ -12,18 +12,21 @@ every room, the projections live in this process (seeded from the database at st
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from roomservice.bootstrap.core import Core, ms
 from roomservice.cell.registry import CellRegistry
+from roomservice.domain.state import RoomState
 from roomservice.forwarding import Forwarder
 from roomservice.leases.inprocess import InProcessLeases
 from roomservice.leases.port import LeaseManager
 from roomservice.leases.redis import RedisLeases
 from roomservice.observability.logging import get_logger
+from roomservice.projections.loader import store_loader
 from roomservice.projections.port import InProcessProjections, Projections, RoomListEntry
-from roomservice.projections.redis import RedisProjections, store_loader
+from roomservice.projections.redis import RedisProjections
 from roomservice.service import RoomService, ServiceOptions
 from roomservice.store.sql import SqlRoomStore
 from roomservice.wallet.embedded import EmbeddedWallet
@@ -66,6 +69,8 @@ class Commands:
         projections = self.service.projections
         if isinstance(projections, RedisProjections) and projections.loader is not None:
             core.spawn("projections-rebuild", _rebuild_projections(projections))
+        if isinstance(projections, InProcessProjections):  # seeded with the list; presence comes in the background
+            core.spawn("presence-restore", _restore_presence(projections, self.store))
 
     async def stop(self) -> None:
         await self.registry.close()
@@ -85,6 +90,22 @@ async def _rebuild_projections(projections: RedisProjections) -> None:
         _log.info("projections_checked", rebuilt=rebuilt)
     except Exception as exc:
         _log.warning("projections_rebuild_failed", error=repr(exc))
+
+
+async def _restore_presence(projections: InProcessProjections, store: SqlRoomStore, *, retry_s: float = 5.0) -> None:
+    """Load the open rooms in full and restore who is in them; retried while the database fails."""
+    load = store_loader(store, limit=PROJECTION_SEED_LIMIT)
+    while True:
+        try:
+            restored = await projections.restore(
+                state for state in await load() if isinstance(state, RoomState)
+            )
+        except Exception as exc:
+            _log.warning("presence_restore_failed", error=repr(exc), retry_in_s=retry_s)
+            await asyncio.sleep(retry_s)
+            continue
+        _log.info("presence_restored", rooms=restored)
+        return
 
 
 def _evict_on_lost(registry: CellRegistry) -> Callable[[str, str], None]:
@@ -170,6 +191,7 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
 
 async def _seeded_projections(store: SqlRoomStore) -> InProcessProjections:
     projections = InProcessProjections()
+    projections.expect_restore()  # presence: loaded in the background (Commands.start)
     summaries = await store.list_room_summaries(limit=PROJECTION_SEED_LIMIT)
     await projections.seed(
         [
