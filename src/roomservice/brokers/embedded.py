@@ -125,7 +125,9 @@ _FAN_OUT: Final = insert(broker_delivery).from_select(
         literal(_READY),
         literal(0),
         bindparam("b_visible", type_=BigInteger()),
-    ).where(_g.topic == bindparam("b_topic")),
+    )
+    .where(_g.topic == bindparam("b_topic"))
+    .with_for_update(read=True),  # see _BACKFILL
 )
 _GROUP: Final = select(_g.topic, _g.max_deliveries).where(_g.group_name == bindparam("b_group"))
 _INSERT_GROUP: Final = insert_or_ignore(broker_group)
@@ -133,6 +135,12 @@ _SET_MAX_DELIVERIES: Final = (
     update(broker_group).where(_g.group_name == bindparam("b_group")).values(max_deliveries=bindparam("b_max"))
 )
 # A new group gets what its topic retains, held ones still held.
+# On MySQL/MariaDB (READ COMMITTED) both this and the fan-out read with shared locks: a plain read
+# skips what another transaction inserted and has not committed, so a group declared while a
+# message of its topic was being published got it from neither. A locking read waits for that
+# insert's commit and sees it; the two waiting for each other is a deadlock, which rolls one back
+# (the publish or the declare fails as unavailable, and is tried again). SQLite: one writer at a
+# time, and no FOR UPDATE.
 _BACKFILL: Final = insert_or_ignore(broker_delivery).from_select(
     _DELIVERY_COLUMNS,
     select(
@@ -141,7 +149,9 @@ _BACKFILL: Final = insert_or_ignore(broker_delivery).from_select(
         literal(_READY),
         literal(0),
         func.coalesce(_m.deliver_at_ms, _m.published_at_ms),
-    ).where(_m.topic == bindparam("b_topic")),
+    )
+    .where(_m.topic == bindparam("b_topic"))
+    .with_for_update(read=True),
 )
 
 # --------------------------------------------------------------------------- claim

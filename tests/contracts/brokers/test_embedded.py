@@ -477,3 +477,55 @@ async def test_a_database_that_does_not_answer_is_broker_unavailable() -> None:
             await broker.fetch("topic", "g", max_messages=1, wait_s=0, visibility_s=1)
     finally:
         await db.dispose()
+
+
+# --------------------------------------------------------------------------- a group declared mid-publish
+
+
+async def _in_lock_wait(db: Database) -> bool:
+    """Whether a transaction of the server waits for a row lock (the tests here run one at a time;
+    MariaDB's INNODB_TRX does not name the waiting connection by its CONNECTION_ID())."""
+    query = "SELECT COUNT(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'"
+    async with db.read() as conn:
+        return bool(await conn.scalar(sa.text(query)))
+
+
+@pytest.mark.parametrize("first", ["publish", "declare"])
+async def test_a_group_declared_while_a_publish_is_uncommitted_still_gets_the_message(
+    migrated_mariadb_url: str, first: str
+) -> None:
+    """READ COMMITTED, two transactions: one publishes a message of the topic, the other declares a new
+    group of it. Whichever runs first stays uncommitted while the other runs; the group must end up
+    with the message either way — by the publish's fan-out or by the declare's backfill."""
+    from roomservice.brokers.embedded import _declare, _publish_all
+
+    topic, group = unique("topic"), unique("late")
+    async with migrated_database(migrated_mariadb_url) as db:
+        broker = await open_embedded_broker(db, FAST)
+        try:
+            row = broker._outgoing(message(topic))
+
+            def publish(conn: sa.Connection) -> None:
+                _publish_all(conn, [row])
+
+            def declare(conn: sa.Connection) -> None:
+                _declare(conn, topic, group, 5, T0)
+
+            steps = (publish, declare) if first == "publish" else (declare, publish)
+            async with db.engine.connect() as one, db.engine.connect() as two:
+                await one.begin()
+                await one.run_sync(steps[0])  # in flight: not committed yet
+                await two.begin()
+                second = asyncio.create_task(two.run_sync(steps[1]))
+                deadline = time.monotonic() + 10
+                while not second.done() and not await _in_lock_wait(db):  # it waits for the first, or not
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                await one.commit()
+                await second
+                await two.commit()
+            async with db.read() as conn:
+                groups = (await conn.execute(sa.select(broker_delivery.c.group_name))).scalars().all()
+            assert group in groups
+        finally:
+            await broker.close()
