@@ -428,6 +428,26 @@ async def test_load_refuses_a_room_whose_log_is_missing_rows(database: Database,
         await room.store.load_room(APP, ROOM)
 
 
+@pytest.mark.parametrize("snapshot", [False, True])
+async def test_load_refuses_a_room_whose_log_misses_a_row_in_the_middle(
+    database: Database, room: RoomDriver, snapshot: bool
+) -> None:
+    """The version still matches room_meta: only the versions' sequence shows that a command is missing."""
+    await room.create()
+    await room.run(c.JoinRoom(user_id="alice"))
+    if snapshot:
+        assert room.state is not None
+        await room.store.save_snapshot(room.state, now_ms=room.now_ms)  # version 2
+    middle = await room.run(c.JoinRoom(user_id="bob"))
+    await room.run(c.LeaveRoom(user_id="carol"))  # a no-op: logged with no events, no version of its own
+    await room.run(c.JoinRoom(user_id="dan"))
+    assert (await room.store.load_room(APP, ROOM)).state == room.state  # whole, it loads
+    async with database.write() as conn:
+        await conn.execute(sa.delete(t.room_command_log).where(t.room_command_log.c.command_id == middle.command_id))
+    with pytest.raises(StoreInconsistent, match="from version 2 to 4"):
+        await room.store.load_room(APP, ROOM)
+
+
 async def test_snapshots_are_idempotent_and_pruned_to_snapshot_keep(database: Database, room: RoomDriver) -> None:
     await room.create()
     saved: list[int] = []

@@ -316,7 +316,7 @@ class SqlRoomStore:
         meta_version: int | None = None
         epoch = 0
         state: RoomState | None = None
-        snapshot_version = 0
+        snapshot_version = next_version = 0
         events: list[Event] = []
         for kind, version, seq, doc in rows:
             if kind == _KIND_META:
@@ -325,8 +325,16 @@ class SqlRoomStore:
                 continue
             elif kind == _KIND_SNAPSHOT:
                 state = RoomState.from_dict(orjson.loads(doc))
-                snapshot_version = version
+                snapshot_version = next_version = version
             else:
+                # every command with events takes the next version: a log row missing in the middle
+                # would replay into a wrong room whose version still matches room_meta's
+                next_version += 1
+                if version != next_version:
+                    raise StoreInconsistent(
+                        f"room {app_code}/{room_id}: the command log goes from version {next_version - 1} "
+                        f"to {version}; the rows between are missing"
+                    )
                 events.extend(Event.from_dict(data) for data in orjson.loads(doc))
         state = replay(state, events)
         loaded_version = 0 if state is None else state.version
