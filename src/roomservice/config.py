@@ -557,8 +557,9 @@ class ConsumersConfig(_Block):
     # rocketmq.*.consumer_max_reconsume_times redeliveries, whatever the back-off).
     initial_backoff: PositiveDuration = _d("1s")
     max_backoff: PositiveDuration = _d("1m")
-    # Ours: how long a delivery may go unacknowledged (a consumer that died or hangs) before the broker
-    # hands it out again, in every group. Unset: max(5s, 2 × outbox_worker.publish_timeout).
+    # Ours: how long a delivery may go unacknowledged (a consumer that died) before the broker hands it
+    # out again, in every group; a delivery held by a live consumer is touched every half of it (for at
+    # most ten of it while its handler runs). Unset: max(5s, 2 × outbox_worker.publish_timeout).
     visibility_timeout: PositiveDuration | None = None
     # Ours: how long an applied event's id is remembered by what deduplicates on it — the IM
     # publisher and bridge (im_sent_event; a group's destroy is kept for good), the activity service

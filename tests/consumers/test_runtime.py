@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from roomservice.brokers.fake import FakeBroker
 from roomservice.brokers.port import Delivery, OutgoingMessage
+from roomservice.consumers import runtime as runtime_module
 from roomservice.consumers.runtime import ConsumerRuntime, GroupOptions, Outcome, Redeliver, _finished
 from roomservice.observability.logging import get_logger
 from roomservice.outbox.policy import RetryPolicy
@@ -255,6 +256,66 @@ async def test_deliveries_waiting_behind_their_room_do_not_come_back_meanwhile(b
     assert runtime.counts()[GROUP]["redelivered"] == 0
     assert await broker.dead_letters(GROUP) == []
     await runtime.shutdown(grace_s=1)
+
+
+async def test_a_delivery_whose_handler_runs_past_the_visibility_timeout_does_not_come_back(
+    broker: FakeBroker,
+) -> None:
+    """A notice makes two IM calls, each up to the publish timeout: longer than the group's visibility at
+    worst. While its handler runs, a delivery is touched, so it is not handed out again meanwhile (to be
+    handled twice at once, and counted towards a dead letter)."""
+    calls: dict[str, int] = {}
+    release = asyncio.Event()
+
+    class Slow:
+        group, topic = GROUP, TOPIC
+
+        async def handle(self, delivery: Delivery) -> Outcome:
+            calls[delivery.key] = calls.get(delivery.key, 0) + 1
+            await release.wait()
+            return Outcome.APPLIED
+
+    runtime = ConsumerRuntime(broker, [(Slow(), options(max_deliveries=1))])
+    runtime.start()
+    await publish(broker, "ev-1")
+    await until(lambda: calls == {"ev-1": 1})
+    started = time.monotonic()
+    while time.monotonic() - started < 3 * 0.5:  # three visibility timeouts: any redelivery would be fetched
+        assert calls == {"ev-1": 1}
+        await asyncio.sleep(0.05)
+    release.set()
+    await until(lambda: _lag(broker, 0))
+    assert calls == {"ev-1": 1} and runtime.counts()[GROUP]["redelivered"] == 0
+    assert await broker.dead_letters(GROUP) == []
+    await runtime.shutdown(grace_s=1)
+
+
+async def test_a_handler_that_looks_hung_stops_holding_its_delivery(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past HUNG_AFTER_TIMEOUTS visibility timeouts of handling, the delivery is no longer touched: it comes
+    back and is handled again (the hung call may never return), with one warning."""
+    monkeypatch.setattr(runtime_module, "HUNG_AFTER_TIMEOUTS", 2)  # 1 s at the tests' 0.5 s visibility
+    calls: list[float] = []
+    never = asyncio.Event()
+
+    class Hangs:
+        group, topic = GROUP, TOPIC
+
+        async def handle(self, delivery: Delivery) -> Outcome:
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                await never.wait()
+            return Outcome.APPLIED
+
+    runtime = ConsumerRuntime(broker, [(Hangs(), options(max_deliveries=3))])
+    with capture_logs() as logs:
+        runtime.start()
+        await publish(broker, "ev-1")
+        await until(lambda: len(calls) == 2, deadline_s=10)
+        await runtime.shutdown(grace_s=0.1)
+    assert calls[1] - calls[0] >= 2 * 0.5  # held while it looked alive
+    assert [e["key"] for e in logs if e["event"] == "consumer_delivery_hung"] == ["ev-1"]
 
 
 async def test_lines_a_handler_logs_name_the_group_and_the_event(broker: FakeBroker) -> None:

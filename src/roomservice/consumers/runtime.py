@@ -33,6 +33,11 @@ from roomservice.observability.logging import context_variable, get_logger
 from roomservice.outbox.policy import RetryPolicy
 
 _log = get_logger("roomservice.consumers")
+
+# A handler running longer than this many visibility timeouts is taken for hung: its delivery is no longer
+# kept from coming back (every effect is bounded by its own timeouts well below that: IM calls by the
+# publish timeout, database calls by database.timeout).
+HUNG_AFTER_TIMEOUTS = 10
 _GROUP, _EVENT_ID = context_variable("consumer_group"), context_variable("event_id")  # named on every line
 
 
@@ -121,7 +126,11 @@ class GroupRunner:
         )
         self._in_flight: set[asyncio.Task[None]] = set()
         self._last_of_key: dict[str, asyncio.Task[None]] = {}
+        # every delivery fetched and not settled yet, with when its visibility last started (its fetch or
+        # its last touch): the keep-alive touches those at half their visibility timeout
+        self._held: dict[int, _Held] = {}
         self._task: asyncio.Task[None] | None = None
+        self._keep_alive: asyncio.Task[None] | None = None
         self._fetch_failures = 0
 
     @property
@@ -134,6 +143,7 @@ class GroupRunner:
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self._run(), name=f"consumer:{self.group}")
+        self._keep_alive = asyncio.create_task(self._touch_held(), name=f"consumer-keep-alive:{self.group}")
         return self._task
 
     async def _run(self) -> None:
@@ -162,7 +172,9 @@ class GroupRunner:
                 continue
             self._release(reserved - len(deliveries))
             self._handling += len(deliveries)
+            fetched_at = time.monotonic()
             for delivery in deliveries:  # each holds one reserved slot until it is settled
+                self._held[id(delivery)] = _Held(delivery, fetched_at)
                 before = self._last_of_key.get(delivery.sharding_key) if opts.ordered_by_key else None
                 task = asyncio.create_task(
                     self._handle(delivery, after=before), name=f"consume:{self.group}:{delivery.key}"
@@ -222,32 +234,56 @@ class GroupRunner:
             del self._last_of_key[key]
 
     async def _handle(self, delivery: Delivery, *, after: asyncio.Task[None] | None = None) -> None:
-        if after is not None and not after.done():  # the same key's previous delivery goes first
-            await self._wait_for_turn(delivery, after)
-        # every line a handler logs names the group and the event (the key is the event_id)
-        named = _GROUP.set(self.group), _EVENT_ID.set(delivery.key)
         try:
-            await self._handle_bound(delivery)
+            if after is not None and not after.done():  # the same key's previous delivery goes first
+                await _finished(after)
+            held = self._held.get(id(delivery))
+            if held is not None:
+                held.handling_since = time.monotonic()
+            # every line a handler logs names the group and the event (the key is the event_id)
+            named = _GROUP.set(self.group), _EVENT_ID.set(delivery.key)
+            try:
+                await self._handle_bound(delivery)
+            finally:
+                _EVENT_ID.reset(named[1])
+                _GROUP.reset(named[0])
         finally:
-            _EVENT_ID.reset(named[1])
-            _GROUP.reset(named[0])
+            self._held.pop(id(delivery), None)  # settled, or cancelled (a stop): the broker's again
 
-    async def _wait_for_turn(self, delivery: Delivery, after: asyncio.Task[None]) -> None:
-        """Until ``after`` (the same key's previous delivery) is settled, touching ``delivery`` every half
-        visibility timeout: a room's burst behind a slow target waits longer than one, and a delivery
-        that came back meanwhile would be handled twice and count deliveries towards a dead letter."""
-        every_s = self.options.visibility_s / 2
+    async def _touch_held(self) -> None:
+        """Keep every delivery held here from coming back while it is: each one whose visibility started
+        half a timeout ago is touched. A delivery waits behind its key's previous one (ordered_by_key: a
+        room's burst behind a slow target) or its handler runs long (a notice's two IM calls, each up to
+        the publish timeout); one that came back meanwhile would be handled twice and count deliveries
+        towards a dead letter it never earned. Checked every quarter timeout: none goes unseen longer
+        than three quarters of one. A handler still running after :data:`HUNG_AFTER_TIMEOUTS` timeouts
+        is taken for hung: its delivery is no longer touched, and comes back."""
+        visibility_s = self.options.visibility_s
         while True:
-            try:
-                async with asyncio.timeout(every_s):
-                    await _finished(after)
-                return
-            except TimeoutError:
-                pass
-            try:
-                await self.broker.touch(delivery, visibility_s=self.options.visibility_s)
-            except Exception as exc:  # it may come back, and is then handled again: a duplicate, deduplicated
-                _log.warning("consumer_touch_failed", group=self.group, key=delivery.key, error=repr(exc))
+            await asyncio.sleep(visibility_s / 4)
+            now = time.monotonic()
+            due, hung = now - visibility_s / 2, now - HUNG_AFTER_TIMEOUTS * visibility_s
+            touch = []
+            for held in [held for held in self._held.values() if held.since <= due]:
+                if held.handling_since is None or held.handling_since > hung:
+                    touch.append(held)
+                elif not held.given_up:  # it comes back once its visibility runs out, to be handled again
+                    held.given_up = True
+                    _log.warning(
+                        "consumer_delivery_hung",
+                        group=self.group,
+                        key=held.delivery.key,
+                        handling_s=round(now - held.handling_since, 3),
+                    )
+            if touch:
+                await asyncio.gather(*(self._touch(held) for held in touch))
+
+    async def _touch(self, held: _Held) -> None:
+        held.since = time.monotonic()
+        try:
+            await self.broker.touch(held.delivery, visibility_s=self.options.visibility_s)
+        except Exception as exc:  # it may come back, and is then handled again: a duplicate, deduplicated
+            _log.warning("consumer_touch_failed", group=self.group, key=held.delivery.key, error=repr(exc))
 
     async def _handle_bound(self, delivery: Delivery) -> None:
         group = self.group
@@ -335,6 +371,9 @@ class GroupRunner:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._keep_alive is not None:
+            self._keep_alive.cancel()
+            await asyncio.gather(self._keep_alive, return_exceptions=True)
         _log.info("consumer_group_stopped", group=self.group, **_counts(self.counts))
 
 
@@ -381,6 +420,16 @@ def _counts(counts: GroupCounts) -> dict[str, int]:
         "failures": counts.failures,
         "redelivered": counts.redelivered,
     }
+
+
+class _Held:
+    __slots__ = ("delivery", "given_up", "handling_since", "since")
+
+    def __init__(self, delivery: Delivery, since: float) -> None:
+        self.delivery = delivery
+        self.since = since  # monotonic: when its visibility timeout last started
+        self.handling_since: float | None = None  # when its handler started (None: waiting for its turn)
+        self.given_up = False  # its handler looked hung: no longer touched
 
 
 async def _finished(task: asyncio.Task[None]) -> None:
