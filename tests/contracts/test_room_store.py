@@ -585,6 +585,52 @@ async def test_prune_command_log_respects_the_age_cutoff(database: Database, roo
     assert await count(database, t.room_command_log) == 1  # the room without a snapshot keeps its log
 
 
+async def test_a_room_too_quiet_for_a_snapshot_is_snapshotted_so_its_old_rows_can_go(
+    database: Database, room: RoomDriver
+) -> None:
+    """snapshot_every_n (50) is never reached by a quiet room: without a snapshot of its own, its old rows
+    would stay for good and every prune batch would scan them again."""
+    await room.create()
+    await room.run(c.JoinRoom(user_id="u0"))
+    await room.run(c.JoinRoom(user_id="u0"), command_id="noop")  # a no-op at version 2: covered too
+    covered = RoomDriver(room.store, room_id="covered")
+    await covered.create()
+    assert covered.state is not None
+    await room.store.save_snapshot(covered.state, now_ms=covered.now_ms)
+    cutoff = room.now_ms + 1
+    later = RoomDriver(room.store, room_id="new", now_ms=cutoff)
+    await later.create()  # its rows are not old enough yet
+
+    assert await room.store.prune_command_log(before_ms=cutoff, batch_size=100) == 1  # only "covered"'s row
+    assert await room.store.snapshot_uncovered(before_ms=cutoff, limit=100, now_ms=cutoff) == 1  # ROOM only
+    assert await room.store.snapshot_uncovered(before_ms=cutoff, limit=100, now_ms=cutoff) == 0
+    assert await room.store.prune_command_log(before_ms=cutoff, batch_size=100) == 3
+    async with database.read() as conn:
+        left = (await conn.execute(sa.select(t.room_command_log.c.room_id))).scalars().all()
+    assert left == ["new"]
+    loaded = await room.store.load_room(APP, ROOM)
+    assert (loaded.state, loaded.snapshot_version) == (room.state, 2)
+
+
+async def test_snapshot_uncovered_is_bounded_and_skips_a_room_that_does_not_load(
+    database: Database, room: RoomDriver
+) -> None:
+    rooms = [RoomDriver(room.store, room_id=f"r{n}") for n in range(3)]
+    for r in rooms:
+        await r.create()
+        await r.run(c.JoinRoom(user_id="u"))
+    async with database.write() as conn:  # r0's meta says a version its log cannot give
+        await conn.execute(
+            sa.update(t.room_meta).where(t.room_meta.c.room_id == "r0").values(version=t.room_meta.c.version + 5)
+        )
+    cutoff = max(r.now_ms for r in rooms) + 1
+    assert await room.store.snapshot_uncovered(before_ms=cutoff, limit=2, now_ms=cutoff) in (1, 2)
+    assert await room.store.snapshot_uncovered(before_ms=cutoff, limit=10, now_ms=cutoff) in (0, 1)
+    async with database.read() as conn:
+        snapshotted = sorted((await conn.execute(sa.select(t.room_snapshot.c.room_id))).scalars().all())
+    assert snapshotted == ["r1", "r2"]
+
+
 # --------------------------------------------------------------------------- concurrency
 
 

@@ -140,3 +140,4 @@ async def test_the_maintenance_role_forgets_old_dedup_records(tmp_path: Path) ->
         while (left := await kept(process.core.db)) != KEPT:
             assert time.monotonic() < deadline, left
             await asyncio.sleep(0.05)
+

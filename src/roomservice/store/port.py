@@ -220,6 +220,11 @@ class RoomStore(Protocol):
         snapshot already covers (recovery never needs them); returns how many went."""
         ...
 
+    async def snapshot_uncovered(self, *, before_ms: int, limit: int, now_ms: int) -> int:
+        """Snapshot up to ``limit`` rooms that have rows created before ``before_ms`` no snapshot
+        covers, so that :meth:`prune_command_log` can take them; returns how many it snapshotted."""
+        ...
+
     async def ping(self) -> None:
         """Raise if the database does not answer."""
         ...

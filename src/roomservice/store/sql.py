@@ -53,6 +53,7 @@ from roomservice import errors, wire
 from roomservice.domain.decider import replay
 from roomservice.domain.events import Event
 from roomservice.domain.state import CLOSED, RoomState
+from roomservice.observability.logging import get_logger
 from roomservice.store.database import Database
 from roomservice.store.group_commit import Failed, GroupCommit
 from roomservice.store.port import (
@@ -89,6 +90,7 @@ def dump_json(value: Any) -> str:
 # --------------------------------------------------------------------------- statements
 
 _meta, _log, _snap, _outbox = room_meta, room_command_log, room_snapshot, room_outbox
+_logger = get_logger("roomservice.store")
 
 _IS_ROOM_META = (_meta.c.app_code == bindparam("b_app_code")) & (_meta.c.room_id == bindparam("b_room_id"))
 _META_GUARD = (
@@ -271,6 +273,23 @@ _PRUNABLE_COMMANDS: Final = (
     .limit(bindparam("batch_size"))
 )
 _DELETE_COMMANDS: Final = delete(_log).where(_log.c.id.in_(bindparam("ids", expanding=True)))
+# Rooms with rows old enough to prune that no snapshot covers (a room below snapshot_every_n versions
+# is never snapshotted by its commands): a snapshot of each makes those rows prunable.
+_UNCOVERED_ROOMS: Final = (
+    select(_log.c.app_code, _log.c.room_id)
+    .where(
+        _log.c.created_at_ms < bindparam("before_ms"),
+        ~exists()
+        .where(
+            _snap.c.app_code == _log.c.app_code,
+            _snap.c.room_id == _log.c.room_id,
+            _snap.c.version >= _log.c.version,
+        )
+        .correlate(_log),
+    )
+    .distinct()
+    .limit(bindparam("limit"))
+)
 
 
 # --------------------------------------------------------------------------- store
@@ -427,6 +446,26 @@ class SqlRoomStore:
     async def ping(self) -> None:
         await self.db.run_read(_all_rows, _PING, {})
 
+    async def snapshot_uncovered(self, *, before_ms: int, limit: int, now_ms: int) -> int:
+        """Snapshot up to ``limit`` rooms whose rows older than ``before_ms`` no snapshot covers, so
+        :meth:`prune_command_log` can delete them; returns how many it snapshotted. A snapshot of the
+        loaded (committed) state is right whatever commands run meanwhile. A room that does not load
+        (StoreInconsistent) is logged and left as it is."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        rooms = await self.db.run_long_read(_uncovered_rooms, {"before_ms": before_ms, "limit": limit})
+        snapshotted = 0
+        for app_code, room_id in rooms:
+            try:
+                loaded = await self.load_room(app_code, room_id)
+            except StoreInconsistent as exc:
+                _logger.warning("command_log_snapshot_skipped", app_code=app_code, room_id=room_id, error=str(exc))
+                continue
+            if loaded.state is not None:
+                await self.save_snapshot(loaded.state, now_ms=now_ms)
+                snapshotted += 1
+        return snapshotted
+
     async def prune_command_log(self, *, before_ms: int, batch_size: int) -> int:
         """Delete up to ``batch_size`` idempotency rows older than ``before_ms``; returns how many.
 
@@ -441,6 +480,10 @@ class SqlRoomStore:
 
 # --------------------------------------------------------------------------- transaction units
 # Plain synchronous functions of a Connection, run by Database.run_read/run_write.
+
+
+def _uncovered_rooms(conn: Connection, params: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(str(app_code), str(room_id)) for app_code, room_id in conn.execute(_UNCOVERED_ROOMS, params)]
 
 
 def _all_rows(conn: Connection, statement: Executable, params: dict[str, Any]) -> Sequence[Row[Any]]:
