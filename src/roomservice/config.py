@@ -558,8 +558,8 @@ class ConsumersConfig(_Block):
     initial_backoff: PositiveDuration = _d("1s")
     max_backoff: PositiveDuration = _d("1m")
     # Ours: how long a delivery may go unacknowledged (a consumer that died) before the broker hands it
-    # out again, in every group; a delivery held by a live consumer is touched every half of it (for at
-    # most ten of it while its handler runs). Unset: max(5s, 2 × outbox_worker.publish_timeout).
+    # out again, in every group; a delivery held by a live consumer is touched every third of it (a handler
+    # running past ten of it is cancelled as hung). Unset: max(5s, 2 × outbox_worker.publish_timeout).
     visibility_timeout: PositiveDuration | None = None
     # Ours: how long an applied event's id is remembered by what deduplicates on it — the IM
     # publisher and bridge (im_sent_event; a group's destroy is kept for good), the activity service

@@ -258,6 +258,12 @@ async def test_deliveries_waiting_behind_their_room_do_not_come_back_meanwhile(b
     await runtime.shutdown(grace_s=1)
 
 
+def held_options(**kw: object) -> GroupOptions:
+    """A visibility timeout of 1 s: the keep-alive touches at a third of it, so a loaded machine's loop
+    would have to stall for half a second before a touch came too late."""
+    return GroupOptions(**{"max_deliveries": 3, "wait_s": 0.05, "visibility_s": 1.0, "backoff": FAST, **kw})  # type: ignore[arg-type]
+
+
 async def test_a_delivery_whose_handler_runs_past_the_visibility_timeout_does_not_come_back(
     broker: FakeBroker,
 ) -> None:
@@ -275,12 +281,12 @@ async def test_a_delivery_whose_handler_runs_past_the_visibility_timeout_does_no
             await release.wait()
             return Outcome.APPLIED
 
-    runtime = ConsumerRuntime(broker, [(Slow(), options(max_deliveries=1))])
+    runtime = ConsumerRuntime(broker, [(Slow(), held_options(max_deliveries=1))])
     runtime.start()
     await publish(broker, "ev-1")
     await until(lambda: calls == {"ev-1": 1})
     started = time.monotonic()
-    while time.monotonic() - started < 3 * 0.5:  # three visibility timeouts: any redelivery would be fetched
+    while time.monotonic() - started < 3 * 1.0:  # three visibility timeouts: any redelivery would be fetched
         assert calls == {"ev-1": 1}
         await asyncio.sleep(0.05)
     release.set()
@@ -290,32 +296,75 @@ async def test_a_delivery_whose_handler_runs_past_the_visibility_timeout_does_no
     await runtime.shutdown(grace_s=1)
 
 
-async def test_a_handler_that_looks_hung_stops_holding_its_delivery(
-    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("ordered", [False, True])
+async def test_a_handler_that_looks_hung_is_cancelled_and_its_delivery_comes_back(
+    broker: FakeBroker, monkeypatch: pytest.MonkeyPatch, ordered: bool
 ) -> None:
-    """Past HUNG_AFTER_TIMEOUTS visibility timeouts of handling, the delivery is no longer touched: it comes
-    back and is handled again (the hung call may never return), with one warning."""
-    monkeypatch.setattr(runtime_module, "HUNG_AFTER_TIMEOUTS", 2)  # 1 s at the tests' 0.5 s visibility
-    calls: list[float] = []
+    """Past HUNG_AFTER_TIMEOUTS visibility timeouts of handling the handler is cancelled, with one warning:
+    its slot and (ordered_by_key) its room's turn go on, and the delivery comes back to be handled again."""
+    monkeypatch.setattr(runtime_module, "HUNG_AFTER_TIMEOUTS", 2)  # 2 s at 1 s visibility
+    calls: list[tuple[str, float]] = []
     never = asyncio.Event()
 
     class Hangs:
         group, topic = GROUP, TOPIC
 
         async def handle(self, delivery: Delivery) -> Outcome:
-            calls.append(time.monotonic())
+            calls.append((delivery.key, time.monotonic()))
             if len(calls) == 1:
                 await never.wait()
             return Outcome.APPLIED
 
-    runtime = ConsumerRuntime(broker, [(Hangs(), options(max_deliveries=3))])
+    runtime = ConsumerRuntime(broker, [(Hangs(), held_options(concurrency=1, ordered_by_key=ordered))])
     with capture_logs() as logs:
         runtime.start()
-        await publish(broker, "ev-1")
-        await until(lambda: len(calls) == 2, deadline_s=10)
-        await runtime.shutdown(grace_s=0.1)
-    assert calls[1] - calls[0] >= 2 * 0.5  # held while it looked alive
+        for key in ("ev-1", "ev-2"):  # one room's two messages; one slot
+            await broker.publish(OutgoingMessage(topic=TOPIC, body=b"x", key=key, sharding_key="r1"), timeout_s=1)
+        await until(lambda: _lag(broker, 0), deadline_s=15)
+        await runtime.shutdown(grace_s=1)
+    assert sorted(key for key, _ in calls) == ["ev-1", "ev-1", "ev-2"]
+    assert calls[1][1] - calls[0][1] >= 2 * 1.0  # held while it looked alive
     assert [e["key"] for e in logs if e["event"] == "consumer_delivery_hung"] == ["ev-1"]
+
+
+async def test_an_ack_waits_for_a_touch_under_way(broker: FakeBroker) -> None:
+    """On RocketMQ a touch gives the delivery a new receipt: an ack sent meanwhile with the old one would be
+    refused, and the message handled again. The runtime acks after the touch has answered."""
+    order: list[str] = []
+    touch_started, finish_touch, handler_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    class SlowTouch(FakeBroker):
+        async def touch(self, delivery: Delivery, *, visibility_s: float) -> None:
+            order.append("touch")
+            touch_started.set()
+            await finish_touch.wait()
+            await super().touch(delivery, visibility_s=visibility_s)
+            order.append("touched")
+
+        async def ack(self, delivery: Delivery) -> None:
+            order.append("ack")
+            await super().ack(delivery)
+
+    class WaitsForTouch:
+        group, topic = GROUP, TOPIC
+
+        async def handle(self, delivery: Delivery) -> Outcome:
+            await touch_started.wait()
+            handler_done.set()
+            return Outcome.APPLIED
+
+    slow = SlowTouch()
+    runtime = ConsumerRuntime(slow, [(WaitsForTouch(), held_options(ack_linger_s=0))])
+    runtime.start()
+    await slow.publish(OutgoingMessage(topic=TOPIC, body=b"x", key="ev-1"), timeout_s=1)
+    await handler_done.wait()
+    for _ in range(20):  # the settle has its turns while the touch is held
+        await asyncio.sleep(0)
+    assert order == ["touch"]
+    finish_touch.set()
+    await until(lambda: order == ["touch", "touched", "ack"])
+    await runtime.shutdown(grace_s=1)
+    await slow.close()
 
 
 async def test_lines_a_handler_logs_name_the_group_and_the_event(broker: FakeBroker) -> None:

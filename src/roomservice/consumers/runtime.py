@@ -34,9 +34,9 @@ from roomservice.outbox.policy import RetryPolicy
 
 _log = get_logger("roomservice.consumers")
 
-# A handler running longer than this many visibility timeouts is taken for hung: its delivery is no longer
-# kept from coming back (every effect is bounded by its own timeouts well below that: IM calls by the
-# publish timeout, database calls by database.timeout).
+# A handler running longer than this many visibility timeouts is taken for hung and cancelled; its delivery
+# comes back (every effect is bounded by its own timeouts well below that: IM calls by the publish timeout,
+# database calls by database.timeout).
 HUNG_AFTER_TIMEOUTS = 10
 _GROUP, _EVENT_ID = context_variable("consumer_group"), context_variable("event_id")  # named on every line
 
@@ -157,6 +157,7 @@ class GroupRunner:
             reserved = 1 + await self._free_slots(opts.batch_size - 1)
             if reserved < self._refill_at and self._handling and opts.refill_wait_s > 0:
                 reserved += await self._slots_freed(self._refill_at - reserved, opts.refill_wait_s)
+            fetching_at = time.monotonic()  # the visibility of what comes back started no earlier
             try:
                 deliveries = await self.broker.fetch(
                     self.handler.topic,
@@ -172,13 +173,12 @@ class GroupRunner:
                 continue
             self._release(reserved - len(deliveries))
             self._handling += len(deliveries)
-            fetched_at = time.monotonic()
             for delivery in deliveries:  # each holds one reserved slot until it is settled
-                self._held[id(delivery)] = _Held(delivery, fetched_at)
                 before = self._last_of_key.get(delivery.sharding_key) if opts.ordered_by_key else None
                 task = asyncio.create_task(
                     self._handle(delivery, after=before), name=f"consume:{self.group}:{delivery.key}"
                 )
+                self._held[id(delivery)] = _Held(delivery, task, fetching_at)
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
                 if opts.ordered_by_key:
@@ -251,39 +251,45 @@ class GroupRunner:
             self._held.pop(id(delivery), None)  # settled, or cancelled (a stop): the broker's again
 
     async def _touch_held(self) -> None:
-        """Keep every delivery held here from coming back while it is: each one whose visibility started
-        half a timeout ago is touched. A delivery waits behind its key's previous one (ordered_by_key: a
-        room's burst behind a slow target) or its handler runs long (a notice's two IM calls, each up to
+        """Keep every delivery held here from coming back while it is: each one whose visibility started a
+        third of a timeout ago is touched. A delivery waits behind its key's previous one (ordered_by_key:
+        a room's burst behind a slow target) or its handler runs long (a notice's two IM calls, each up to
         the publish timeout); one that came back meanwhile would be handled twice and count deliveries
-        towards a dead letter it never earned. Checked every quarter timeout: none goes unseen longer
-        than three quarters of one. A handler still running after :data:`HUNG_AFTER_TIMEOUTS` timeouts
-        is taken for hung: its delivery is no longer touched, and comes back."""
+        towards a dead letter it never earned. Checked every sixth of a timeout: none goes unseen longer
+        than half of one. A touch runs in a task of its own (a slow one holds up no other), and never
+        while the delivery is being settled: an ack or nack waits for a touch under way (on RocketMQ a
+        touch gives the delivery a new receipt, which the ack must carry). A handler still running after
+        :data:`HUNG_AFTER_TIMEOUTS` timeouts is taken for hung and cancelled, as a stop cancels it: its
+        slot and its key's turn go to the others, and the delivery comes back."""
         visibility_s = self.options.visibility_s
         while True:
-            await asyncio.sleep(visibility_s / 4)
+            await asyncio.sleep(visibility_s / 6)
             now = time.monotonic()
-            due, hung = now - visibility_s / 2, now - HUNG_AFTER_TIMEOUTS * visibility_s
-            touch = []
-            for held in [held for held in self._held.values() if held.since <= due]:
-                if held.handling_since is None or held.handling_since > hung:
-                    touch.append(held)
-                elif not held.given_up:  # it comes back once its visibility runs out, to be handled again
-                    held.given_up = True
+            due, hung = now - visibility_s / 3, now - HUNG_AFTER_TIMEOUTS * visibility_s
+            for held in list(self._held.values()):
+                if held.settling or held.touching is not None:
+                    continue
+                if held.handling_since is not None and held.handling_since <= hung:
                     _log.warning(
                         "consumer_delivery_hung",
                         group=self.group,
                         key=held.delivery.key,
                         handling_s=round(now - held.handling_since, 3),
                     )
-            if touch:
-                await asyncio.gather(*(self._touch(held) for held in touch))
+                    held.settling = True  # not touched again
+                    held.task.cancel()
+                elif held.since <= due:
+                    held.touching = asyncio.ensure_future(self._touch(held))
 
     async def _touch(self, held: _Held) -> None:
-        held.since = time.monotonic()
+        started = time.monotonic()
         try:
             await self.broker.touch(held.delivery, visibility_s=self.options.visibility_s)
-        except Exception as exc:  # it may come back, and is then handled again: a duplicate, deduplicated
+            held.since = started
+        except Exception as exc:  # tried again next time; if it runs out, it comes back: a duplicate, deduplicated
             _log.warning("consumer_touch_failed", group=self.group, key=held.delivery.key, error=repr(exc))
+        finally:
+            held.touching = None
 
     async def _handle_bound(self, delivery: Delivery) -> None:
         group = self.group
@@ -341,6 +347,11 @@ class GroupRunner:
 
     async def _settle(self, delivery: Delivery, *, nack_delay_s: float | None, reason: str) -> None:
         """Ack or nack; if the broker does not answer, the delivery comes back after its visibility timeout."""
+        held = self._held.get(id(delivery))
+        if held is not None:
+            held.settling = True
+            if held.touching is not None:  # its receipt may change: settle with the one the touch leaves
+                await asyncio.wait([held.touching])
         try:
             if nack_delay_s is None:
                 await self._ack(delivery)
@@ -423,13 +434,17 @@ def _counts(counts: GroupCounts) -> dict[str, int]:
 
 
 class _Held:
-    __slots__ = ("delivery", "given_up", "handling_since", "since")
+    """A delivery fetched and not settled yet, as the keep-alive sees it."""
 
-    def __init__(self, delivery: Delivery, since: float) -> None:
+    __slots__ = ("delivery", "handling_since", "settling", "since", "task", "touching")
+
+    def __init__(self, delivery: Delivery, task: asyncio.Task[None], since: float) -> None:
         self.delivery = delivery
-        self.since = since  # monotonic: when its visibility timeout last started
+        self.task = task  # its _handle
+        self.since = since  # monotonic: when its visibility timeout last started (no later than this)
         self.handling_since: float | None = None  # when its handler started (None: waiting for its turn)
-        self.given_up = False  # its handler looked hung: no longer touched
+        self.settling = False  # being acked or nacked (or cancelled as hung): not touched any more
+        self.touching: asyncio.Future[None] | None = None  # a touch under way
 
 
 async def _finished(task: asyncio.Task[None]) -> None:
