@@ -8,6 +8,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 from tests.service.conftest import T0, Clock
+from tests.service.test_outbox_worker import JOINED, insert_rows, make_event
 from tests.service.test_sample_configs import local_settings, task_names
 
 from roomservice.bootstrap import Process
@@ -108,6 +109,31 @@ async def test_old_dedup_records_go_in_batches_and_destroys_pending_notices_and_
     assert await sweeper.sweep() == 2 + 3 + 2  # two IM steps, three activity ids (in two batches), two notices
     assert await kept(database) == KEPT
     assert await sweeper.sweep() == 0
+
+
+async def test_the_records_of_an_event_whose_outbox_row_is_kept_stay(database: Database) -> None:
+    """A dead letter stays in the outbox until an operator replays it, however old: the replay must still
+    find what was applied of it, and the IM bridge closing its room must find it sent."""
+    clock = Clock(T0 + 40 * DAY)
+    dead = make_event(JOINED)
+    await insert_rows(database, dead, status="failed", now=T0)
+    async with database.write() as conn:
+        await conn.execute(sa.insert(t.im_sent_event), [im_row(dead.event_id, "message", T0)])
+        await conn.execute(
+            sa.insert(t.activity_processed_event),
+            [{"event_id": dead.event_id, "event_type": "RoomUserJoined", "processed_at_ms": T0}],
+        )
+        await conn.execute(sa.insert(t.notice_delivery_events), [notice_row(dead.event_id, "sent", T0)])
+    sweeper = RetentionSweeper(
+        DatabaseMaintenanceLock(database), dedup_purges(database), retention_ms=30 * DAY, batch_size=10, clock=clock
+    )
+    assert await sweeper.sweep() == 0
+    assert await kept(database) == {
+        "im": [f"{dead.event_id}/message"], "activity": [dead.event_id], "notice": [dead.event_id]
+    }
+    async with database.write() as conn:  # replayed and delivered, then gone with the delivered rows
+        await conn.execute(sa.delete(t.room_outbox))
+    assert await sweeper.sweep() == 3
 
 
 async def test_a_row_that_changed_after_it_was_picked_stays(database: Database) -> None:

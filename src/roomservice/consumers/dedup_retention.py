@@ -8,19 +8,23 @@ Whatever deduplicates on an event's id keeps a row for each event it applied:
 * ``notice_delivery_events``: each kicked user's notice.
 
 Without a purge each of them grows by a row an event for ever. A row older than
-the retention is deleted; the same event delivered or replayed after that is
-applied again. So the retention must outlast every way an event comes back:
+the retention is deleted; the same event delivered again after that is applied
+again. So the retention must outlast every way an event comes back:
 ``consumers.dedup_retention`` is at least ``outbox_worker.delivered_retention``
-and the embedded broker's ``retention`` (config checks both). A dead letter
-replayed later than that may repeat an effect that had applied before its
-failure was recorded (README, the outbox worker; docs/configuration.md).
+and the embedded broker's ``retention`` (config checks both).
 
 Kept whatever their age:
 
+* the record of an event whose outbox row is still there (a dead letter, kept
+  until an operator replays it: the replay is deduplicated as ever, and the IM
+  bridge, closing a room, finds that event sent and does not send it again);
 * a group's destroy record (``im_sent_event`` step ``destroy``): one row a closed
   room, read to answer "was this group destroyed?", so an old event of a closed
   room replayed later does not create its group again;
 * a notice still ``pending``: a delivery of it may be under way.
+
+A message replayed from a broker's own dead letters later than the retention
+may repeat its effect (README, the outbox worker; docs/configuration.md).
 
 The maintenance role sweeps all three tables of its database, under its
 maintenance lock named :data:`LOCK_NAME`; ``room-service activity serve`` sweeps
@@ -31,6 +35,8 @@ sweeps at once only waste work: each deletes the rows it picked, by key.
 from __future__ import annotations
 
 from typing import Final
+
+from sqlalchemy import ColumnElement, exists
 
 from roomservice.consumers.notice import PENDING
 from roomservice.outbox.retention import Purge
@@ -44,15 +50,30 @@ LOCK_NAME: Final = "roomservice_dedup_retention"
 _im, _activity, _notice = t.im_sent_event.c, t.activity_processed_event.c, t.notice_delivery_events.c
 
 
+def _outbox_row_gone(event_id: ColumnElement[str]) -> ColumnElement[bool]:
+    """No outbox row of this event is left (none in this database, for a service on its own)."""
+    return ~exists().where(t.room_outbox.c.event_id == event_id)
+
+
 def activity_purges(db: Database) -> list[Purge]:
     """The activity service's record of processed events."""
-    return [OldestFirst(db, t.activity_processed_event, _activity.processed_at_ms)]
+    return [
+        OldestFirst(
+            db, t.activity_processed_event, _activity.processed_at_ms, _outbox_row_gone(_activity.event_id)
+        )
+    ]
 
 
 def dedup_purges(db: Database) -> list[Purge]:
     """Every dedup record in ``db``: IM steps sent (not a destroy), activity, notices sent or failed."""
     return [
-        OldestFirst(db, t.im_sent_event, _im.sent_at_ms, _im.operation != DESTROY),
+        OldestFirst(db, t.im_sent_event, _im.sent_at_ms, _im.operation != DESTROY, _outbox_row_gone(_im.event_id)),
         *activity_purges(db),
-        OldestFirst(db, t.notice_delivery_events, _notice.updated_at_ms, _notice.status != PENDING),
+        OldestFirst(
+            db,
+            t.notice_delivery_events,
+            _notice.updated_at_ms,
+            _notice.status != PENDING,
+            _outbox_row_gone(_notice.event_id),
+        ),
     ]
