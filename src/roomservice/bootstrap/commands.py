@@ -92,9 +92,11 @@ async def _rebuild_projections(projections: RedisProjections) -> None:
         _log.warning("projections_rebuild_failed", error=repr(exc))
 
 
-async def _restore_presence(projections: InProcessProjections, store: SqlRoomStore, *, retry_s: float = 5.0) -> None:
-    """Load the open rooms in full and restore who is in them; retried while the database fails."""
+async def _restore_presence(projections: InProcessProjections, store: SqlRoomStore) -> None:
+    """Load the open rooms in full and restore who is in them; retried, 1 s doubling to 60 s, while the
+    database does not answer (a room that does not load is skipped by the loader)."""
     load = store_loader(store, limit=PROJECTION_SEED_LIMIT)
+    retry_s = 1.0
     while True:
         try:
             restored = await projections.restore(
@@ -103,6 +105,7 @@ async def _restore_presence(projections: InProcessProjections, store: SqlRoomSto
         except Exception as exc:
             _log.warning("presence_restore_failed", error=repr(exc), retry_in_s=retry_s)
             await asyncio.sleep(retry_s)
+            retry_s = min(60.0, retry_s * 2)
             continue
         _log.info("presence_restored", rooms=restored)
         return

@@ -6,10 +6,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeAlias
 
+from roomservice import errors
 from roomservice.domain.state import CLOSED, RoomState
 from roomservice.observability.logging import get_logger
 from roomservice.projections.port import RoomListEntry
-from roomservice.store.port import RoomStore, StoreInconsistent
+from roomservice.store.port import RoomStore
 
 _log = get_logger("roomservice.projections")
 
@@ -29,8 +30,12 @@ def store_loader(store: RoomStore, *, limit: int = 10_000, concurrency: int = 4)
             async with gate:
                 try:
                     return (await store.load_room(app_code, room_id)).state
-                except StoreInconsistent as exc:  # this room cannot be served either; the others can
-                    _log.warning("projections_rebuild_skipped_room", app_code=app_code, room_id=room_id, error=str(exc))
+                except errors.Unavailable:  # the database did not answer (StoreUnavailable): no rebuild now
+                    raise
+                except Exception as exc:  # inconsistent, undecodable: this room cannot be served either
+                    _log.warning(
+                        "projections_rebuild_skipped_room", app_code=app_code, room_id=room_id, error=repr(exc)
+                    )
                     return None
 
         states = await asyncio.gather(*(one(s.app_code, s.room_id) for s in summaries))
