@@ -53,10 +53,8 @@ class Maintenance:
                 before = core.clock() - retention_ms
                 # rooms too quiet to have been snapshotted by their commands: snapshotted here, or their
                 # old rows could never go (and every prune batch would scan them again)
-                snapshotted = await store.snapshot_uncovered(
-                    before_ms=before, limit=SNAPSHOT_ROOMS_A_PASS, now_ms=core.clock()
-                )
-                behind = snapshotted == SNAPSHOT_ROOMS_A_PASS
+                limit = SNAPSHOT_ROOMS_A_PASS
+                behind = await store.snapshot_uncovered(before_ms=before, limit=limit, now_ms=core.clock()) == limit
                 for _ in range(100):  # bounded per pass; the next pass continues
                     if await store.prune_command_log(before_ms=before, batch_size=batch_size) < batch_size:
                         break

@@ -222,7 +222,7 @@ class RoomStore(Protocol):
 
     async def snapshot_uncovered(self, *, before_ms: int, limit: int, now_ms: int) -> int:
         """Snapshot up to ``limit`` rooms that have rows created before ``before_ms`` no snapshot
-        covers, so that :meth:`prune_command_log` can take them; returns how many it snapshotted."""
+        covers, so that :meth:`prune_command_log` can take them; returns how many rooms it took up."""
         ...
 
     async def ping(self) -> None:

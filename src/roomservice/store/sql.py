@@ -303,6 +303,8 @@ class SqlRoomStore:
             raise ValueError("snapshot_keep must be at least 1")
         self.db = db
         self.snapshot_keep = snapshot_keep
+        # rooms snapshot_uncovered could not load: passed over by its later calls (logged once each)
+        self._unloadable: set[tuple[str, str]] = set()
         self._insert_snapshot = db.insert_ignoring_duplicates(room_snapshot)
         # Mutations that queue behind a commit share the next one (see store.group_commit).
         lanes, max_batch = (_SQLITE_LANES, _SQLITE_MAX_BATCH) if db.is_sqlite else (_MYSQL_LANES, _MYSQL_MAX_BATCH)
@@ -448,23 +450,26 @@ class SqlRoomStore:
 
     async def snapshot_uncovered(self, *, before_ms: int, limit: int, now_ms: int) -> int:
         """Snapshot up to ``limit`` rooms whose rows older than ``before_ms`` no snapshot covers, so
-        :meth:`prune_command_log` can delete them; returns how many it snapshotted. A snapshot of the
-        loaded (committed) state is right whatever commands run meanwhile. A room that does not load
-        (StoreInconsistent) is logged and left as it is."""
+        :meth:`prune_command_log` can delete them; returns how many rooms it took up (``limit``: there
+        may be more). A snapshot of the loaded (committed) state is right whatever commands run
+        meanwhile. A room that does not load is logged once and passed over by later calls of this
+        store (its rows stay until an operator mends it)."""
         if limit < 1:
             raise ValueError("limit must be at least 1")
-        rooms = await self.db.run_long_read(_uncovered_rooms, {"before_ms": before_ms, "limit": limit})
-        snapshotted = 0
-        for app_code, room_id in rooms:
+        params = {"before_ms": before_ms, "limit": limit + len(self._unloadable)}
+        rooms = [key for key in await self.db.run_long_read(_uncovered_rooms, params) if key not in self._unloadable]
+        for app_code, room_id in rooms[:limit]:
             try:
                 loaded = await self.load_room(app_code, room_id)
-            except StoreInconsistent as exc:
-                _logger.warning("command_log_snapshot_skipped", app_code=app_code, room_id=room_id, error=str(exc))
+            except errors.Unavailable:
+                raise
+            except Exception as exc:  # inconsistent, undecodable
+                self._unloadable.add((app_code, room_id))
+                _logger.warning("command_log_snapshot_skipped", app_code=app_code, room_id=room_id, error=repr(exc))
                 continue
             if loaded.state is not None:
                 await self.save_snapshot(loaded.state, now_ms=now_ms)
-                snapshotted += 1
-        return snapshotted
+        return min(len(rooms), limit)
 
     async def prune_command_log(self, *, before_ms: int, batch_size: int) -> int:
         """Delete up to ``batch_size`` idempotency rows older than ``before_ms``; returns how many.
