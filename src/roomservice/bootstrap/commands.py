@@ -70,6 +70,7 @@ class Commands:
         if isinstance(projections, RedisProjections) and projections.loader is not None:
             core.spawn("projections-rebuild", _rebuild_projections(projections))
         if isinstance(projections, InProcessProjections):  # seeded with the list; presence comes in the background
+            projections.expect_restore()  # before any command is served (a process without loops restores none)
             core.spawn("presence-restore", _restore_presence(projections, self.store))
 
     async def stop(self) -> None:
@@ -194,7 +195,6 @@ async def build_commands(core: Core, *, wallet: Wallet | None = None) -> Command
 
 async def _seeded_projections(store: SqlRoomStore) -> InProcessProjections:
     projections = InProcessProjections()
-    projections.expect_restore()  # presence: loaded in the background (Commands.start)
     summaries = await store.list_room_summaries(limit=PROJECTION_SEED_LIMIT)
     await projections.seed(
         [
