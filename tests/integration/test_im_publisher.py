@@ -597,6 +597,24 @@ async def test_a_late_room_created_retry_does_not_bring_a_destroyed_group_back(
     assert group not in sandbox.state.groups
 
 
+async def test_a_late_room_created_of_a_closed_room_makes_no_group_once_the_destroy_record_is_forgotten(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
+) -> None:
+    """consumers.dedup_retention forgets the destroy record with the others; room_meta still says closed."""
+    await store_room(database)
+    await room_with_group(publisher)
+    await close_in_store(database)
+    await publish(publisher, closed())
+    assert group_id_for(APP, ROOM) not in sandbox.state.groups
+    async with database.write() as conn:
+        await conn.execute(sa.delete(t.im_sent_event))  # every record forgotten, the destroy's included
+    group = group_id_for(APP, ROOM)
+    ev = created()
+    assert await publisher.already_sent(ev)  # the IM bridge acknowledges it as a duplicate
+    await publish(publisher, ev)
+    assert group not in sandbox.state.groups
+
+
 # --------------------------------------------------------------------------- a missing group is ensured again
 
 
@@ -610,6 +628,11 @@ async def store_room(db: Database, *, status: str = "open", owner: str = OWNER, 
                 seat_count=8, member_count=1, heat=0, created_at_ms=now, updated_at_ms=now,
             )
         )  # fmt: skip
+
+
+async def close_in_store(db: Database) -> None:
+    async with db.write() as conn:
+        await conn.execute(sa.update(t.room_meta).values(status="closed"))
 
 
 def commands_since(sandbox: RunningSandbox, before: int) -> list[tuple[str, int]]:
@@ -660,8 +683,9 @@ async def test_a_group_lost_by_a_restarted_im_is_ensured_again_for_a_kick(
 async def test_a_room_closed_in_the_store_does_not_get_its_group_back(
     publisher: TencentImPublisher, sandbox: RunningSandbox, database: Database
 ) -> None:
-    await store_room(database, status="closed")  # RoomClosed committed, its row not delivered yet
+    await store_room(database)
     await room_with_group(publisher)
+    await close_in_store(database)  # RoomClosed committed, its row not delivered yet
     sandbox.state.dismiss_group(group_of())
     late = joined()
     before = len(sandbox.state.requests)

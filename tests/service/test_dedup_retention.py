@@ -86,13 +86,13 @@ async def kept(db: Database) -> dict[str, list[str]]:
 
 
 KEPT = {
-    "im": ["new-msg/message", "old-close/destroy"],  # a group's destroy stays: "was it destroyed?" stays true
+    "im": ["new-msg/message"],  # a group's destroy goes too: room_meta says the room closed
     "activity": ["new"],
     "notice": ["new-sent", "old-pending"],  # a pending notice may be being delivered
 }
 
 
-async def test_old_dedup_records_go_in_batches_and_destroys_pending_notices_and_new_ones_stay(
+async def test_old_dedup_records_go_in_batches_and_pending_notices_and_new_ones_stay(
     database: Database,
 ) -> None:
     clock = Clock(T0 + 40 * DAY)
@@ -106,7 +106,7 @@ async def test_old_dedup_records_go_in_batches_and_destroys_pending_notices_and_
         lock_name=LOCK_NAME,
     )
 
-    assert await sweeper.sweep() == 2 + 3 + 2  # two IM steps, three activity ids (in two batches), two notices
+    assert await sweeper.sweep() == 3 + 3 + 2  # three IM steps, three activity ids, two notices (in batches of two)
     assert await kept(database) == KEPT
     assert await sweeper.sweep() == 0
 

@@ -18,13 +18,13 @@ Kept whatever their age:
 * the record of an event whose outbox row is still there (a dead letter, kept
   until an operator replays it: the replay is deduplicated as ever, and the IM
   bridge, closing a room, finds that event sent and does not send it again);
-* a group's destroy record (``im_sent_event`` step ``destroy``): one row a closed
-  room, read to answer "was this group destroyed?", so an old event of a closed
-  room replayed later does not create its group again;
 * a notice still ``pending``: a delivery of it may be under way.
 
-A message replayed from a broker's own dead letters later than the retention
-may repeat its effect (README, the outbox worker; docs/configuration.md).
+A group's destroy record goes too: whether a room's group must not come back is
+also answered by ``room_meta``, which keeps a closed room for good
+(:meth:`~roomservice.publishers.tencent_im.SentSteps.closed`). A message replayed
+from a broker's own dead letters later than the retention may repeat its effect
+(README, the outbox worker; docs/configuration.md).
 
 The maintenance role sweeps all three tables of its database, under its
 maintenance lock named :data:`LOCK_NAME`; ``room-service activity serve`` sweeps
@@ -40,7 +40,6 @@ from sqlalchemy import ColumnElement, exists
 
 from roomservice.consumers.notice import PENDING
 from roomservice.outbox.retention import Purge
-from roomservice.publishers.tencent_im import DESTROY
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.purge import OldestFirst
@@ -65,9 +64,9 @@ def activity_purges(db: Database) -> list[Purge]:
 
 
 def dedup_purges(db: Database) -> list[Purge]:
-    """Every dedup record in ``db``: IM steps sent (not a destroy), activity, notices sent or failed."""
+    """Every dedup record in ``db``: IM steps sent, activity, notices sent or failed."""
     return [
-        OldestFirst(db, t.im_sent_event, _im.sent_at_ms, _im.operation != DESTROY, _outbox_row_gone(_im.event_id)),
+        OldestFirst(db, t.im_sent_event, _im.sent_at_ms, _outbox_row_gone(_im.event_id)),
         *activity_purges(db),
         OldestFirst(
             db,

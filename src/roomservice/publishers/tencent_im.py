@@ -109,6 +109,15 @@ class SentSteps:
         """Did we destroy this group (its room closed)?"""
         return bool(await self._db.run_read(_rows, self._destroyed, {"group_id": group_id}))
 
+    async def closed(self, app_code: str, room_id: str, group_id: str) -> bool:
+        """Is the room closed — we destroyed its group, or ``room_meta`` says so? Either way its group must
+        not come back. ``room_meta`` keeps a closed room for good (room ids are never reused), so this
+        holds after the destroy record has gone with the other dedup records (consumers.dedup_retention)."""
+        if await self.destroyed(group_id):
+            return True
+        room = await self.room(app_code, room_id)
+        return room is not None and room.status == CLOSED
+
     async def record(self, event_id: str, group_id: str, step: str) -> None:
         row = {"event_id": event_id, "group_id": group_id, "operation": step, "sent_at_ms": self._clock()}
         await self._record(row)
@@ -192,12 +201,13 @@ class TencentImPublisher:
 
     async def already_sent(self, event: e.Event, done: set[str] | None = None) -> bool:
         """Has every IM step of ``event`` been recorded as done (so publishing it would send nothing)?
-        A RoomCreated whose group we destroyed since counts as done: it never brings the group back.
+        A RoomCreated of a room closed since counts as done: it never brings the group back.
         ``done``: :meth:`steps_done` read by the caller a moment ago (None: read it here)."""
         if done is None:
             done = await self.steps_done(event)
         if isinstance(event.payload, e.RoomCreated):
-            return GROUP in done or await self.steps.destroyed(self.group_of(event.app_code, event.room_id))
+            group = self.group_of(event.app_code, event.room_id)
+            return GROUP in done or await self.steps.closed(event.app_code, event.room_id, group)
         return steps_of(event.type) <= done
 
     async def publish(
@@ -221,7 +231,7 @@ class TencentImPublisher:
         p = event.payload
         if isinstance(p, e.RoomCreated):
             # a late retry after the room closed must not bring the group back (ids are never reused)
-            if GROUP not in done and not await self.steps.destroyed(group):
+            if GROUP not in done and not await self.steps.closed(event.app_code, event.room_id, group):
                 await self._ensure_group(group, p.owner_id, p.title, deadline)
                 await self.steps.record(sent_id, group, GROUP)
             return
