@@ -367,6 +367,20 @@ def test_read_only_commands_refuse_a_missing_database_and_create_nothing(tmp_pat
     assert list(empty.iterdir()) == []
 
 
+@pytest.mark.parametrize("args", [("stats",), ("list",), ("show", "e-1"), ("replay", "e-1")], ids=lambda a: " ".join(a))
+def test_a_database_without_the_schema_is_not_migrated_by_an_admin_command(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """An admin command of a newer release must not upgrade the schema under the servers running on it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    sqlite3.connect(data / "room.db").close()  # a database, never migrated
+    result = run_outbox_bare(tmp_path, *args, "--data-dir", str(data))
+    assert_clear_error(result, "is the database migrated? room-service db upgrade", code=1)
+    with sqlite3.connect(data / "room.db") as conn:
+        assert conn.execute("SELECT count(*) FROM sqlite_master").fetchone() == (0,)
+
+
 def test_a_configured_database_file_that_does_not_exist_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "elsewhere" / "room.db"
     config = tmp_path / "room.yaml"

@@ -46,7 +46,14 @@ from roomservice import errors
 from roomservice.admin.dead_letters import DeadLetterAdmin, describe, group_row
 from roomservice.admin.operations import OutboxAdmin
 from roomservice.bootstrap.broker import GroupSpec, consumer_groups, open_broker
-from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
+from roomservice.cli.options import (
+    HELP_MARKUP,
+    ConfigOpt,
+    DataDirOpt,
+    missing_schema_hint,
+    private_files,
+    settings_from_options,
+)
 from roomservice.clock import wall_clock_ms
 from roomservice.config import Settings
 from roomservice.observability.logging import configure_logging
@@ -102,18 +109,7 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[DeadLetterAdmin], 
     try:
         return asyncio.run(main())
     except (errors.RoomServiceError, SQLAlchemyError) as exc:  # one line, never a traceback
-        _fail(str(exc) + _missing_schema(exc), 1)
-
-
-def _missing_schema(exc: BaseException) -> str:
-    """A hint when the database under the error has no schema (an empty file, a database never migrated)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        text = str(getattr(seen, "orig", None) or seen)
-        if "no such table" in text or "doesn't exist" in text or "1146" in text:
-            return f" ({text[:160]}: is the database migrated? room-service db upgrade)"
-        seen = seen.__cause__ or seen.__context__
-    return ""
+        _fail(str(exc) + missing_schema_hint(exc), 1)
 
 
 def _group(groups: list[GroupSpec], name: str) -> GroupSpec:

@@ -41,6 +41,7 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from sqlalchemy.exc import SQLAlchemyError
 
 from roomservice import errors
 from roomservice.admin.operations import (
@@ -55,7 +56,14 @@ from roomservice.admin.operations import (
     check_event_ids,
     repair_targets,
 )
-from roomservice.cli.options import HELP_MARKUP, ConfigOpt, DataDirOpt, private_files, settings_from_options
+from roomservice.cli.options import (
+    HELP_MARKUP,
+    ConfigOpt,
+    DataDirOpt,
+    missing_schema_hint,
+    private_files,
+    settings_from_options,
+)
 from roomservice.clock import wall_clock_ms
 from roomservice.durations import format_duration
 
@@ -118,7 +126,9 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[OutboxAdmin], Awai
         )
 
     async def main() -> T:
-        async with opened_database(url, migrate=settings.database.auto_migrate, pool_size=2, max_overflow=2) as db:
+        # never migrated from here: an admin command of a newer release must not upgrade the schema under
+        # the servers that run on it (room-service db upgrade does that, on purpose)
+        async with opened_database(url, migrate=False, pool_size=2, max_overflow=2) as db:
             return await work(OutboxAdmin(db, clock=wall_clock_ms))
 
     try:
@@ -127,8 +137,8 @@ def _run(config: Path | None, data_dir: Path, work: Callable[[OutboxAdmin], Awai
         _fail(exc.message)
     except ConfigError as exc:
         _fail(f"config error: {exc}")
-    except (StoreUnavailable, errors.Unavailable, errors.Retry) as exc:
-        _fail(str(exc), 1)
+    except (StoreUnavailable, errors.Unavailable, errors.Retry, SQLAlchemyError) as exc:
+        _fail(str(exc) + missing_schema_hint(exc), 1)
 
 
 def _filter(

@@ -67,7 +67,7 @@ async def receive_body(
     ``declared`` is the Content-Length header; every message received is appended to ``consumed``
     when given (a reader that may hand the request on replays them).
     """
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise errors.PayloadTooLarge(f"request body over {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0

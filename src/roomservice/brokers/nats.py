@@ -607,7 +607,10 @@ class NatsBroker:
         headers = msg.headers or {}
         md = msg.metadata
         published = headers.get(H_PUBLISHED_AT)
-        published_at_ms = int(published) if published and published.isdigit() else int(md.timestamp.timestamp() * 1000)
+        if published and published.isascii() and published.isdigit():
+            published_at_ms = int(published)
+        else:  # not ours ("²".isdigit() is true, and int() refuses it): the stream's own time
+            published_at_ms = int(md.timestamp.timestamp() * 1000)
         return Delivery(
             topic=topic,
             group=group,

@@ -85,3 +85,14 @@ def admin_token(settings: Settings, data_dir: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def missing_schema_hint(exc: BaseException) -> str:
+    """A hint when the database under the error has no schema (an empty file, a database never migrated)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(getattr(seen, "orig", None) or seen)
+        if "no such table" in text or "doesn't exist" in text or "1146" in text:
+            return f" ({text[:160]}: is the database migrated? room-service db upgrade)"
+        seen = seen.__cause__ or seen.__context__
+    return ""

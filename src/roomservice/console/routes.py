@@ -354,7 +354,7 @@ def _query(fields: Mapping[str, Any], **extra: Any) -> str:
 def _after_id(text: str | None) -> int | None:
     if not text:
         return None
-    if not text.isdigit() or int(text) > lim.MAX_ID_VALUE:
+    if not (text.isascii() and text.isdigit()) or int(text) > lim.MAX_ID_VALUE:  # "²".isdigit() is true
         raise errors.InvalidArgument(f"after_id must be a number 0..{lim.MAX_ID_VALUE}")
     return int(text)
 

@@ -92,6 +92,8 @@ class Sessions:
         """The session a cookie value names, if it is signed by us, unexpired and not revoked."""
         if not cookie or cookie.count(".") != 1 or len(cookie) > 2048:
             return None
+        if not cookie.isascii():  # ours never holds anything else (and compare_digest refuses non-ASCII str)
+            return None
         payload, signature = cookie.split(".")
         if not hmac.compare_digest(signature, self._sign(payload)):
             return None
