@@ -81,3 +81,18 @@ async def test_too_large_and_gone_are_raised_at_once_too() -> None:
     _, receive = _receiver([{"type": "http.disconnect"}])
     with pytest.raises(ClientGone):
         await _read(receive)
+
+
+@pytest.mark.parametrize("declared", ["²", "٣", "12x", ""])
+async def test_a_content_length_that_is_no_ascii_number_is_not_trusted_and_no_error(declared: str) -> None:
+    """"²".isdigit() is true, and int() refuses it: the header is ignored and the body itself counted."""
+    loop = asyncio.get_running_loop()
+    _, receive = _receiver([{"type": "http.request", "body": b"{}", "more_body": False}])
+    body = await receive_body(
+        receive,  # type: ignore[arg-type]
+        declared=declared,
+        max_bytes=10,
+        deadline=loop.time() + 1,
+        timeout_s=1,
+    )
+    assert body == b"{}"

@@ -101,6 +101,16 @@ async def test_a_tampered_or_foreign_cookie_is_no_session(http: httpx.AsyncClien
     assert (await http.get("/console/")).status_code == 303
 
 
+async def test_a_cookie_or_an_id_with_non_ascii_characters_is_no_500(http: httpx.AsyncClient) -> None:
+    """hmac.compare_digest refuses non-ASCII str, and "²".isdigit() is true where int() refuses it."""
+    assert Sessions("a-token", ttl_s=60).read("abc.\xe9") is None
+    odd = await http.get("/console/", headers={"Cookie": f"{COOKIE}=abc.\xe9".encode("latin-1")})
+    assert odd.status_code == 303  # no session: to the login page
+    await logged_in(http)
+    page = await http.get("/console/outbox", params={"after_id": "²"})
+    assert page.status_code == 400 and "after_id must be a number" in page.text
+
+
 # --------------------------------------------------------------------------- login and the cookie
 
 
