@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import sqlalchemy as sa
 
 from roomservice import errors
 from roomservice.admin.dead_letters import DeadLetterAdmin
-from roomservice.admin.operations import OutboxAdmin
+from roomservice.admin.operations import OutboxAdmin, ReplayReport
 from roomservice.bootstrap.broker import GroupSpec
 from roomservice.brokers.fake import FakeBroker
 from roomservice.brokers.port import OutgoingMessage
+from roomservice.console.jobs import KEEP, Jobs
 from roomservice.console.series import DeliverySeries, Point, Sample, chart_svg
 from roomservice.console.session import Sessions, valid_operator
 from roomservice.store.database import Database
@@ -98,3 +101,24 @@ def test_the_wheel_carries_every_template_and_static_file() -> None:
         relative = path.relative_to(package).as_posix()
         assert any(fnmatch.fnmatch(relative, pattern) for pattern in patterns), relative
         assert "://" not in path.read_text(), f"{relative} loads something from elsewhere: the console works offline"
+
+
+async def test_a_running_job_is_kept_however_many_finish_after_it() -> None:
+    """Jobs keeps the newest KEEP; a job still running is never the one to go (its page polls it)."""
+    jobs, release = Jobs(), asyncio.Event()
+
+    async def slow(_: object) -> ReplayReport:
+        await release.wait()
+        return ReplayReport(as_repair=False)
+
+    async def quick(_: object) -> ReplayReport:
+        return ReplayReport(as_repair=False)
+
+    running = jobs.start("slow", "alice", slow)
+    for n in range(KEEP + 5):
+        jobs.start(f"quick {n}", "alice", quick)
+        await asyncio.sleep(0)  # each quick one finishes before the next starts
+    assert jobs.get(running.id) is running and running.state == "running"
+    assert len(jobs.recent()) <= KEEP + 1
+    release.set()
+    await jobs.aclose()

@@ -74,8 +74,10 @@ class Jobs:
     def start(self, title: str, operator: str, work: Callable[[Progress], Awaitable[ReplayReport]]) -> Job:
         job = Job(id=secrets.token_hex(8), title=title, operator=operator, started_at=time.time())
         self._jobs[job.id] = job
-        while len(self._jobs) > KEEP:
-            self._jobs.popitem(last=False)
+        # the oldest finished ones go; a running job stays whatever its age (its page polls it)
+        finished = [key for key, kept in self._jobs.items() if kept.state != "running"]
+        for key in finished[: max(0, len(self._jobs) - KEEP)]:
+            del self._jobs[key]
         task = asyncio.create_task(self._run(job, work), name=f"console-job-{job.id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -28,7 +28,8 @@
       if (data.state !== "running") {
         var text = data.error ? data.error :
           "replayed " + s.replayed + ", not failed " + s.not_failed + ", not found " + s.not_found +
-          ", undecodable " + s.undecodable + ", no targets " + s.no_targets;
+          ", undecodable " + s.undecodable + ", no targets " + s.no_targets +
+          ", already repaired " + s.already_repaired;
         document.getElementById("job-summary").textContent = text;
         job.dataset.state = data.state;
       }
@@ -40,7 +41,16 @@
           show(data);
           if (data.state === "running") { setTimeout(poll, 500); }
         })
-        .catch(function () { setTimeout(poll, 2000); });
+        .catch(function (status) {
+          if (status === 403 || status === 404) {  // signed out, or a process that does not know the job
+            document.getElementById("job-state").textContent = "unknown here";
+            document.getElementById("job-summary").textContent = status === 404
+              ? "This process no longer knows the job (restarted, or another replica): see the audit."
+              : "Signed out: sign in again to follow the job.";
+            return;
+          }
+          setTimeout(poll, 2000);  // the network or the server, for a moment
+        });
     };
     setTimeout(poll, 300);
   }
