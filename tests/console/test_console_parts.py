@@ -8,6 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from roomservice import errors
+from roomservice.admin import dead_letters as dead_letters_module
 from roomservice.admin.dead_letters import DeadLetterAdmin
 from roomservice.admin.operations import OutboxAdmin, ReplayReport
 from roomservice.bootstrap.broker import GroupSpec
@@ -51,6 +52,35 @@ async def test_dead_letter_replay_goes_to_the_group_and_is_audited(sqlite_databa
     assert GROUP in (rows[0].detail or "")
     with pytest.raises(errors.NotFound, match="unknown consumer group"):
         await admin.replay("other", None, actor="x")
+
+
+async def test_dead_letters_are_audited_as_they_are_replayed_and_a_failed_audit_names_them(
+    sqlite_database: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay is for good: audited a chunk at a time as it goes (a crash leaves at most a chunk without
+    its rows), and an audit that cannot be written says which letters were replayed without one."""
+    monkeypatch.setattr(dead_letters_module, "AUDIT_CHUNK", 2)
+    broker = FakeBroker()
+    await bury(broker, "ev-1", "ev-2", "ev-3")
+    audit = OutboxAdmin(sqlite_database, clock=lambda: 5)
+    written: list[int] = []
+    record = audit.record_audit
+
+    async def record_then_fail(entries: list[tuple[str, dict[str, object]]], **kw: object) -> None:
+        if written:  # the second chunk's rows cannot be written
+            raise errors.Unavailable("database unavailable")
+        written.append(len(entries))
+        await record(entries, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(audit, "record_audit", record_then_fail)
+    admin = DeadLetterAdmin(broker, [GroupSpec(GROUP, TOPIC, 1)], audit=audit)
+    replayed_unaudited = r"3 dead letter\(s\) of .* were replayed, but the audit of the last 1"
+    with pytest.raises(errors.Unavailable, match=replayed_unaudited):
+        await admin.replay(GROUP, None, actor="console:ann")
+    assert written == [2] and not await admin.dead_letters(GROUP)
+    async with sqlite_database.read() as conn:
+        rows = (await conn.execute(sa.select(room_outbox_audit.c.event_id))).scalars().all()
+    assert sorted(rows) == ["ev-1", "ev-2"]  # the first chunk's, written while it went
 
 
 def test_series_rates_cover_the_window_and_survive_a_counter_reset() -> None:

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from roomservice.bootstrap.process import Process
 
 MAX_DEAD_LETTERS = 10_000
+AUDIT_CHUNK = 100  # replayed dead letters audited together (as they go, not all at the end)
+
+
+class AuditNotWritten(errors.Unavailable):
+    """Dead letters were replayed (for good) and their audit rows could not be written; the message names them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +128,31 @@ class DeadLetterAdmin:
         more = every and len(listed) == MAX_DEAD_LETTERS
         done: list[str] = []
         missing: list[str] = []
+        unaudited: list[str] = []  # replayed, their audit rows not written yet
         total = len(ids)
         failure: errors.RoomServiceError | None = None
+
+        async def audit() -> None:
+            entries = [_audit_entry(spec.group, m, letters.get(m)) for m in unaudited]
+            try:
+                await self.audit.record_audit(entries, action="consumer_replay", actor=actor)
+            except errors.RoomServiceError as exc:  # replayed for good: say which, and that nothing records it
+                shown = ", ".join(unaudited[:10]) + (" …" if len(unaudited) > 10 else "")
+                raise AuditNotWritten(
+                    f"{len(done)} dead letter(s) of {spec.group} were replayed, but the audit of the last "
+                    f"{len(unaudited)} could not be written ({shown}): {exc.message}"
+                ) from exc
+            unaudited.clear()
+
         try:
             while True:
                 for message_id in ids:
                     replayed = await self.broker.replay_dead_letter(spec.group, message_id)
                     (done if replayed else missing).append(message_id)
+                    if replayed:
+                        unaudited.append(message_id)
+                        if len(unaudited) >= AUDIT_CHUNK:  # a crash leaves at most a chunk unaudited
+                            await audit()
                     if progress is not None:
                         progress(len(done) + len(missing), total)
                 if not more:
@@ -141,10 +164,11 @@ class DeadLetterAdmin:
                 letters.update((d.message_id, d) for d in listed)
                 total += len(ids)
                 more = bool(ids) and len(listed) == MAX_DEAD_LETTERS
+        except AuditNotWritten:
+            raise
         except errors.RoomServiceError as exc:
             failure = exc
-        entries = [_audit_entry(spec.group, m, letters.get(m)) for m in done]
-        await self.audit.record_audit(entries, action="consumer_replay", actor=actor)
+        await audit()
         if failure is not None:
             if not failure.retryable:
                 raise failure
