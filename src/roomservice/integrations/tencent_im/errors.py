@@ -8,6 +8,13 @@
     │                      70009, 70013, 70014, 70016, 70020). A configuration or clock
     │                      problem: ``retryable`` is True so rows wait for the fix (the
     │                      outbox's max_retry_count still bounds them)
+    ├── ImConfigurationError  the app or account is not set up to be served, for a while:
+    │                      SDKAppID invalid or disabled (60006, 60016), the package expired
+    │                      (60020: served again minutes after it is renewed), the caller's IP
+    │                      not on the allow list (60021), the identifier not an app admin
+    │                      (60010), the URL's account or signature refused (60004, 60005),
+    │                      the AVChatRoom quota used up (10036). Fixed by an operator, not by
+    │                      changing the request: retryable as a signature error is
     └── ImPermanentError   everything else: the request will never succeed as sent
 
 ``code`` is Tencent's ``ErrorCode`` (0 for transport failures, where ``http_status`` may
@@ -22,6 +29,7 @@ from typing import ClassVar
 __all__ = [
     "ACCOUNT_NOT_FOUND",
     "C2C_ACCOUNT_INVALID",
+    "CONFIGURATION_CODES",
     "FEATURE_NOT_ENABLED",
     "GROUP_ID_NOT_FOUND",
     "GROUP_ID_TAKEN",
@@ -35,6 +43,7 @@ __all__ = [
     "SENDER_MUTED",
     "SIGNATURE_CODES",
     "USERSIG_EXPIRED",
+    "ImConfigurationError",
     "ImError",
     "ImPermanentError",
     "ImRetryableError",
@@ -60,6 +69,7 @@ USERSIG_EXPIRED = 70001
 RETRYABLE_CODES: frozenset[int] = frozenset(
     {
         10002,  # internal server error, retry
+        10008,  # invalid request (a transient failure on Tencent's side): retry
         10006,  # operation frequency limit
         10023,  # message frequency limit
         20004,  # openim: network error, retry
@@ -78,6 +88,8 @@ RETRYABLE_CODES: frozenset[int] = frozenset(
 )
 
 SIGNATURE_CODES: frozenset[int] = frozenset({USERSIG_EXPIRED, 70003, 70009, 70013, 70014, 70016, 70020})
+
+CONFIGURATION_CODES: frozenset[int] = frozenset({60004, 60005, 60006, 60010, 60016, 60020, 60021, 10036})
 
 
 class ImError(Exception):
@@ -110,6 +122,10 @@ class ImSignatureError(ImError):
     retryable = True
 
 
+class ImConfigurationError(ImError):
+    retryable = True
+
+
 class ImPermanentError(ImError):
     retryable = False
 
@@ -123,6 +139,8 @@ def classify(code: int, info: str, *, command: str = "") -> ImError:
         kind = ImRetryableError
     elif code in SIGNATURE_CODES:
         kind = ImSignatureError
+    elif code in CONFIGURATION_CODES:
+        kind = ImConfigurationError
     else:
         kind = ImPermanentError
     return kind(message, code=code, info=info, command=command)
