@@ -2,8 +2,10 @@
 our own sent-step record (``im_sent_event``) on SQLite and MariaDB.
 
 Covers SPEC §3's routing for the ``im`` target and §5's publisher: EnsureGroup (owner
-imported first; 10025 is success, 10021 permanent), one custom message per room event
-(``Data`` and ``Random``), deduplication by Tencent's 5-minute ``Random`` window and,
+imported first; 10025 is success, 10021 too when the group is ours by type and owner, else
+permanent), one custom message per room event (``Data`` and ``Random``; at most 12 KB: a
+RoomTreasureOpened's recipients cut to fit, any other event too large refused before IM is
+called), deduplication by Tencent's 5-minute ``Random`` window and,
 beyond it, by our own record; membership control by group type; RoomClosed's message
 then destroy; error classification (outage, 10004, UserSig expiry, deadline); and a
 retry after a partial failure re-sending only the steps that did not happen; and a
@@ -30,10 +32,24 @@ from tests.conftest import count_calls
 from roomservice.domain import events as e
 from roomservice.integrations.im_sandbox import RunningSandbox, running_sandbox
 from roomservice.integrations.im_sandbox.state import OutageMode
-from roomservice.integrations.tencent_im.client import TencentImClient, account_id_for, group_id_for, random_for
+from roomservice.integrations.tencent_im.client import (
+    MSG_BODY_MAX_BYTES,
+    TencentImClient,
+    account_id_for,
+    group_id_for,
+    random_for,
+)
 from roomservice.integrations.tencent_im.errors import ImPermanentError
 from roomservice.publishers.port import PermanentError, RetryableError
-from roomservice.publishers.tencent_im import DESTROY, GROUP, MEMBER, MESSAGE, SentSteps, TencentImPublisher
+from roomservice.publishers.tencent_im import (
+    DESTROY,
+    GROUP,
+    MEMBER,
+    MESSAGE,
+    MessageTooLarge,
+    SentSteps,
+    TencentImPublisher,
+)
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.wire import encode_event
@@ -223,6 +239,42 @@ async def test_create_room_synchronous_path_and_its_safety_net(
     assert await publisher.steps.done(ev.event_id) == {GROUP}
 
 
+@pytest.mark.parametrize("answers_10021", [False, True], ids=["10025", "10021"])
+async def test_a_group_of_ours_that_exists_is_success_whichever_code_im_answers(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, answers_10021: bool
+) -> None:
+    # Tencent words 10025 for the operator (our admin), so it may answer 10021 for a group we made
+    sandbox.state.owned_group_answers_10021 = answers_10021
+    await publisher.ensure_group(app_code=APP, room_id=ROOM, owner_id=OWNER, title="Sync")  # CreateRoom's
+    await publisher.ensure_group(app_code=APP, room_id=ROOM, owner_id=OWNER, title="Sync")  # e.g. a retry
+    ev = created(title="Sync")
+    await publish(publisher, ev)  # the RoomCreated row afterwards, its safety net
+    code = 10021 if answers_10021 else 10025
+    assert errors_of(sandbox, "create_group") == [0, code, code]
+    assert counts(sandbox).get("get_group_info", 0) == (2 if answers_10021 else 0)  # asked only after a 10021
+    assert await publisher.steps.done(ev.event_id) == {GROUP}
+    group = sandbox.state.group(group_of())
+    assert group is not None and (group.type, group.owner) == (AV, OWNER) and len(sandbox.state.groups) == 1
+
+
+@pytest.mark.parametrize(
+    ("owner", "group_type"), [("mallory", AV), (OWNER, PUBLIC)], ids=["another-owner", "another-type"]
+)
+async def test_a_10021_for_a_group_not_ours_stays_permanent(
+    publisher: TencentImPublisher, client: TencentImClient, sandbox: RunningSandbox, owner: str, group_type: str
+) -> None:
+    sandbox.state.owned_group_answers_10021 = True
+    await client.account_import(owner)
+    await client.create_group(group_of(), owner, "Not ours", group_type)
+    ev = created()
+    with pytest.raises(PermanentError, match="10021"):
+        await publish(publisher, ev)
+    assert counts(sandbox)["get_group_info"] == 1
+    assert await publisher.steps.done(ev.event_id) == set()
+    with pytest.raises(ImPermanentError, match="10021"):
+        await publisher.ensure_group(app_code=APP, room_id=ROOM, owner_id=OWNER, title="Mine")
+
+
 async def test_ensure_group_with_long_ids(publisher: TencentImPublisher, sandbox: RunningSandbox) -> None:
     owner, room = "o" * 64, "R" * 48  # valid ids, longer than Tencent's 32-byte UserID and 48-byte group id
     await publisher.ensure_group(app_code=APP, room_id=room, owner_id=owner, title="Long")
@@ -272,6 +324,52 @@ async def test_room_event_is_one_custom_message(
         "payload": json.loads(json.dumps(payload.to_dict())),
     }
     assert await publisher.steps.done(ev.event_id) == {MESSAGE}
+
+
+async def test_a_treasure_opened_too_large_for_one_message_lists_the_recipients_that_fit(
+    publisher: TencentImPublisher, sandbox: RunningSandbox
+) -> None:
+    await room_with_group(publisher)
+    recipients = tuple(f"user-{i:03d}-".ljust(64, "x") for i in range(200))  # the most a box has, longest ids
+    payload = e.RoomTreasureOpened(box_id="d-1", level=3, recipients=recipients)
+    full = json.dumps({"event_id": "x" * 32, "type": payload.type, "room_version": 7, "payload": payload.to_dict()})
+    assert len(full.encode()) > MSG_BODY_MAX_BYTES  # all of them would make Tencent refuse it for good
+    ev = event(payload, 7)
+    assert await delta(sandbox, publish(publisher, ev)) == {"send_group_msg": 1}
+    assert errors_of(sandbox, "send_group_msg") == [0]
+    (message,) = sandbox.state.messages(group_of())
+    raw = message.data or ""
+    assert len(raw.encode()) <= MSG_BODY_MAX_BYTES
+    data = json.loads(raw)
+    sent = data["payload"]
+    kept = len(sent["recipients"])
+    assert 150 < kept < 200 and sent["recipients"] == list(recipients[:kept])  # the first ones, in order
+    assert sent["recipients_truncated"] is True and sent["recipient_count"] == 200
+    assert (sent["box_id"], sent["level"], data["event_id"], data["type"]) == ("d-1", 3, ev.event_id, payload.type)
+    one_more = raw.replace(f'"{recipients[kept - 1]}"', f'"{recipients[kept - 1]}","{recipients[kept]}"')
+    assert len(one_more.encode()) > MSG_BODY_MAX_BYTES  # as many as fit
+    assert await publisher.steps.done(ev.event_id) == {MESSAGE}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        e.RoomUserJoined(user_id="j" * 13_000, role="member"),
+        e.RoomUserKicked(operator_id="o" * 13_000, target_id="carol", ban_seconds=60, banned_until_ms=1),
+    ],
+    ids=lambda p: p.type,
+)
+async def test_any_other_event_too_large_for_one_message_fails_for_good_before_calling_im(
+    publisher: TencentImPublisher, sandbox: RunningSandbox, payload: e.EventPayload
+) -> None:
+    await room_with_group(publisher)
+    ev = event(payload, 4)
+    before = counts(sandbox)
+    with pytest.raises(MessageTooLarge, match=f"over the {MSG_BODY_MAX_BYTES} bytes") as err:
+        await publish(publisher, ev)
+    assert isinstance(err.value, PermanentError)
+    assert since(sandbox, before) == {}  # nothing sent: not the message, not the kick's ban
+    assert await publisher.steps.done(ev.event_id) == set()
 
 
 async def test_publishing_the_same_event_twice_sends_once(

@@ -25,6 +25,7 @@ from pydantic import SecretStr
 
 from roomservice.config import TencentIMConfig
 from roomservice.integrations.im_sandbox import RunningSandbox, running_sandbox
+from roomservice.integrations.im_sandbox.state import MSG_BODY_MAX_BYTES as SANDBOX_MSG_BODY_MAX_BYTES
 from roomservice.integrations.tencent_im import (
     GROUP_NOT_FOUND_CODES,
     ImPermanentError,
@@ -38,6 +39,7 @@ from roomservice.integrations.tencent_im import (
     group_id_for,
     random_for,
 )
+from roomservice.integrations.tencent_im.client import MSG_BODY_MAX_BYTES
 from roomservice.integrations.tencent_im.errors import RETRYABLE_CODES
 
 APP = 1_400_000_001
@@ -113,6 +115,17 @@ async def test_create_group_and_get_group_info(client: TencentImClient, sandbox:
     assert group is not None and group.owner == "owner" and group.members == {}  # AVChatRoom: join via SDK
 
 
+async def test_get_group_info_with_a_response_filter(client: TencentImClient, sandbox: RunningSandbox) -> None:
+    group_id = await room_group(client, group_type="Public")  # a group with a member list
+    found, missing = await client.get_group_info([group_id, "room_app-nope"], base_fields=("Type", "Owner_Account"))
+    assert (found.type, found.owner_account) == ("Public", "owner")
+    assert set(found.raw) == {"GroupId", "ErrorCode", "ErrorInfo", "Type", "Owner_Account"}  # no name, no members
+    assert found.name is None and found.members == () and found.member_num is None
+    assert not missing.found and missing.error_code in GROUP_NOT_FOUND_CODES
+    everything = (await client.get_group_info([group_id]))[0]  # no filter: all of it, members too
+    assert everything.name == "Room" and everything.members == ("owner",) and everything.member_num == 1
+
+
 async def test_group_name_is_cut_to_30_bytes(client: TencentImClient, sandbox: RunningSandbox) -> None:
     await client.account_import("owner")
     title = "语音房间" * 10  # 120 bytes of UTF-8
@@ -133,6 +146,24 @@ async def test_send_group_msg_custom_element(client: TencentImClient, sandbox: R
     assert [m.from_account for m in messages] == [ADMIN, "alice"]
     assert messages[0].msg_body == [{"MsgType": "TIMCustomElem", "MsgContent": {"Data": data, "Desc": "d", "Ext": "x"}}]
     assert messages[0].random == random_for("e1")
+
+
+async def test_a_message_body_over_12_kb_is_refused_for_good(client: TencentImClient, sandbox: RunningSandbox) -> None:
+    assert MSG_BODY_MAX_BYTES == SANDBOX_MSG_BODY_MAX_BYTES == 12_288
+    group_id = await room_group(client)
+    await client.account_import("bob")
+    fits = "语" * 4096  # 12,288 bytes of UTF-8: the most a message body may have
+    await client.send_group_msg(group_id, fits, random=1)
+    await client.send_c2c_msg("bob", fits, random=1)
+    for data, desc in (("语" * 4096 + "x", ""), (fits, "d"), ("x" * 12_289, "")):  # Desc counts as Data does
+        with pytest.raises(ImPermanentError) as err:
+            await client.send_group_msg(group_id, data, random=2, desc=desc)
+        assert err.value.code == 80002
+        with pytest.raises(ImPermanentError) as err:
+            await client.send_c2c_msg("bob", data, random=2, desc=desc)
+        assert err.value.code == 93000
+    assert [m.data for m in sandbox.state.messages(group_id)] == [fits]
+    assert [m.data for m in sandbox.state.c2c_messages("bob")] == [fits]
 
 
 async def test_send_group_msg_from_unimported_account_fails(client: TencentImClient) -> None:
@@ -243,6 +274,20 @@ async def test_create_group_existing_id(client: TencentImClient) -> None:
     with pytest.raises(ImPermanentError) as err:
         await client.create_group(group_id, "mallory", "Room", "AVChatRoom")
     assert err.value.code == 10021  # taken by someone else
+
+
+async def test_an_existing_id_can_answer_10021_to_its_owner(client: TencentImClient, sandbox: RunningSandbox) -> None:
+    group_id = await room_group(client)
+    async with httpx.AsyncClient(transport=sandbox.transport(), base_url=sandbox.base_url) as http:
+        answer = await http.post("/_sandbox/features", json={"owned_group_answers_10021": True})
+    assert answer.json()["owned_group_answers_10021"] is True and sandbox.state.owned_group_answers_10021
+    with pytest.raises(ImPermanentError) as err:
+        await client.create_group(group_id, "owner", "Room", "AVChatRoom")
+    assert err.value.code == 10021  # as Tencent may answer: 10025 is worded for the operator (our admin)
+    [info] = await client.get_group_info([group_id], base_fields=("Type", "Owner_Account"))
+    assert (info.type, info.owner_account) == ("AVChatRoom", "owner")  # what tells it is ours
+    sandbox.state.reset()
+    assert not sandbox.state.owned_group_answers_10021
 
 
 async def test_create_group_owner_must_be_imported(client: TencentImClient) -> None:
@@ -572,6 +617,20 @@ def test_account_id_for_fits_32_bytes() -> None:
     long_id = "u" * 64
     assert account_id_for(long_id) == account_id_for(long_id)
     assert len(account_id_for(long_id)) == 32 and account_id_for(long_id) != account_id_for("u" * 63 + "v")
+
+
+def test_no_user_id_gets_the_account_of_a_hashed_one() -> None:
+    victim = "v" * 64  # a long id: its account is hashed
+    hashed = account_id_for(victim)
+    assert hashed.startswith("u_") and len(hashed) == 32
+    squatter = account_id_for(hashed)  # a user who chose the victim's account as their own id
+    assert squatter != hashed and squatter.startswith("u_") and len(squatter) == 32
+    assert account_id_for(hashed) == squatter  # still deterministic
+    for id_of_hashed_form in ("u_" + "0" * 30, "u_" + "abcdef0123" * 3):
+        assert account_id_for(id_of_hashed_form) != id_of_hashed_form
+    # every other id of at most 32 bytes keeps its account (existing accounts do not move)
+    for kept in ("alice", "u_" + "A" * 30, "u_" + "0" * 29, "u-" + "0" * 30, "x" * 32, "u_abc"):
+        assert account_id_for(kept) == kept
 
 
 def test_random_for_is_a_stable_uint32() -> None:

@@ -3,11 +3,18 @@
 Per SPEC §3/§5:
 
 * RoomCreated -> EnsureGroup: import the owner's account, create the group; "exists and
-  you own it" (10025) is success, "taken by someone else" (10021) is permanent.
+  you own it" (10025) is success. "Taken by someone else" (10021) is success too when
+  ``get_group_info`` shows the group has the type and owner we asked for (Tencent words
+  10025 for the *operator*, our app admin, not the owner, so it may answer 10021 for a
+  group we made, e.g. CreateRoom's before the RoomCreated row's); otherwise permanent.
 * every other event -> one group custom message (TIMCustomElem) whose ``Data`` is JSON
   ``{event_id, type, room_version, payload}`` and whose ``Random`` derives from event_id
   (both the original's for a repair event: :func:`~roomservice.domain.events.dedup_id`),
-  so Tencent's 5-minute duplicate window absorbs quick re-sends;
+  so Tencent's 5-minute duplicate window absorbs quick re-sends. Tencent refuses for good a
+  body over 12 KB (:data:`~roomservice.integrations.tencent_im.client.MSG_BODY_MAX_BYTES`):
+  a RoomTreasureOpened whose recipients do not all fit lists as many as fit and says so
+  (:func:`message_data`); any other event that does not fit fails permanently
+  (:class:`MessageTooLarge`) before any of its steps calls IM;
 * RoomUserKicked -> membership control by group type first (delete the member; on an
   AVChatRoom ban them, falling back to muting them for the ban length);
 * RoomClosed -> the message, then destroy the group ("group not found" counts as done).
@@ -40,6 +47,7 @@ from roomservice.domain.routing import Target
 from roomservice.domain.state import CLOSED
 from roomservice.integrations.tencent_im import errors as im_errors
 from roomservice.integrations.tencent_im.client import (
+    MSG_BODY_MAX_BYTES,
     TencentImClient,
     account_id_for,
     group_id_for,
@@ -149,22 +157,72 @@ def _done_all(conn: sa.Connection, event_ids: list[str]) -> list[set[str]]:
     return [set(done[event_id]) for event_id in event_ids]
 
 
+class MessageTooLarge(PermanentError):
+    """The event's message would be over the 12 KB Tencent takes: it is not sent (Tencent would refuse it for good)."""
+
+
 def message_data(event: e.Event) -> str:
     """The custom message's ``Data``: what clients need to reconcile with the room view.
 
     ``event_id`` is the event's :func:`~roomservice.domain.events.dedup_id`: a repair names
     its original, so a client that got the original and, past Tencent's duplicate window,
-    its repair sees one event twice (same Data) and keeps it once."""
+    its repair sees one event twice (same Data) and keeps it once.
+
+    The body Tencent takes is at most ``MSG_BODY_MAX_BYTES`` (12 KB; ours is ``Data`` alone, as
+    UTF-8, Desc and Ext being empty). A RoomTreasureOpened over that (up to 200 recipients of up
+    to 64 characters) lists the first recipients that fit, and its payload says so:
+    ``recipients_truncated`` true and ``recipient_count`` the number of recipients of the event
+    (both only then). Any other event over it raises :class:`MessageTooLarge`."""
+    payload = event.payload.to_dict()
+    data = _data(event, payload)
+    if _size(data) <= MSG_BODY_MAX_BYTES:
+        return data
+    if isinstance(event.payload, e.RoomTreasureOpened):
+        truncated = _treasure_data_that_fits(event, payload)
+        if truncated is not None:
+            return truncated
+    raise MessageTooLarge(
+        f"{event.type} event {event.event_id}: its IM message would be {_size(data)} bytes, over the "
+        f"{MSG_BODY_MAX_BYTES} bytes Tencent takes for a message body; not sent"
+    )
+
+
+def _data(event: e.Event, payload: dict[str, Any]) -> str:
     return json.dumps(
         {
             "event_id": e.dedup_id(event),
             "type": event.type,
             "room_version": event.room_version,
-            "payload": event.payload.to_dict(),
+            "payload": payload,
         },
         separators=(",", ":"),
         ensure_ascii=False,
     )
+
+
+def _size(data: str) -> int:
+    return len(data.encode("utf-8"))
+
+
+def _treasure_data_that_fits(event: e.Event, payload: dict[str, Any]) -> str | None:
+    """``Data`` with the most recipients (the first ones) that fits, marked as truncated; ``None``:
+    not even one without any fits. (The size grows with the number kept: a binary search.)"""
+    recipients = list(payload["recipients"])
+
+    def keeping(count: int) -> str:
+        kept = {**payload, "recipients": recipients[:count], "recipients_truncated": True}
+        return _data(event, {**kept, "recipient_count": len(recipients)})
+
+    best: str | None = None
+    low, high = 0, len(recipients) - 1  # all of them did not fit even without the two fields
+    while low <= high:
+        middle = (low + high) // 2
+        data = keeping(middle)
+        if _size(data) <= MSG_BODY_MAX_BYTES:
+            best, low = data, middle + 1
+        else:
+            high = middle - 1
+    return best
 
 
 def steps_of(event_type: str) -> frozenset[str]:
@@ -235,6 +293,8 @@ class TencentImPublisher:
                 await self._ensure_group(group, p.owner_id, p.title, deadline)
                 await self.steps.record(sent_id, group, GROUP)
             return
+        # the message's Data first: one too large for IM fails (MessageTooLarge) before any step calls IM
+        data = message_data(event) if MESSAGE not in done else ""
         if isinstance(p, e.RoomUserKicked) and MEMBER not in done:
             target_id, ban_seconds = p.target_id, p.ban_seconds
             await self._in_group(
@@ -242,7 +302,7 @@ class TencentImPublisher:
             )
             await self.steps.record(sent_id, group, MEMBER)
         if MESSAGE not in done:
-            await self._in_group(event, group, lambda: self._send_message(group, event, deadline), deadline)
+            await self._in_group(event, group, lambda: self._send_message(group, event, data, deadline), deadline)
             await self.steps.record(sent_id, group, MESSAGE)
         if isinstance(p, e.RoomClosed) and DESTROY not in done:
             await self._destroy(group, deadline)
@@ -262,15 +322,26 @@ class TencentImPublisher:
         try:
             await self.client.create_group(group, owner, title, self.group_type, deadline=deadline)
         except im_errors.ImPermanentError as exc:
-            if exc.code != im_errors.GROUP_ID_USED_BY_YOU:  # 10021 (someone else's) stays permanent
-                raise
+            if exc.code == im_errors.GROUP_ID_USED_BY_YOU:  # 10025: exists and ours
+                return
+            if exc.code != im_errors.GROUP_ID_TAKEN or not await self._group_is_ours(group, owner, deadline):
+                raise  # someone else's group (10021), or another refusal: permanent
 
-    async def _send_message(self, group: str, event: e.Event, deadline: float) -> None:
+    async def _group_is_ours(self, group: str, owner: str, deadline: float | None) -> bool:
+        """After a 10021 ("used by someone else"): is the group the one we asked for (our type, our owner)?
+        Tencent words 10025 for the operator (our app admin), not the owner, so it may answer 10021 for a
+        group we made ourselves (CreateRoom's, then the RoomCreated row's)."""
+        infos = await self.client.get_group_info([group], base_fields=("Type", "Owner_Account"), deadline=deadline)
+        info = next((i for i in infos if i.group_id == group), None)
+        ours = info is not None and info.found and info.type == self.group_type and info.owner_account == owner
+        if ours:
+            _log.info("im_group_id_taken_by_our_own_group", group_id=group, code=im_errors.GROUP_ID_TAKEN)
+        return ours
+
+    async def _send_message(self, group: str, event: e.Event, data: str, deadline: float) -> None:
         # the Random of the original event (dedup_id), as its sent record: a repair sent inside Tencent's
         # duplicate window after the original went out unrecorded is dropped by Tencent, not shown twice
-        await self.client.send_group_msg(
-            group, message_data(event), random=random_for(e.dedup_id(event)), deadline=deadline
-        )
+        await self.client.send_group_msg(group, data, random=random_for(e.dedup_id(event)), deadline=deadline)
 
     async def _remove_member(self, group: str, user_id: str, ban_seconds: int, deadline: float) -> None:
         member = account_id_for(user_id)

@@ -18,7 +18,9 @@ POST     /_sandbox/latency                  ``{"seconds", "command"?}`` (0 remov
 DELETE   /_sandbox/latency                  clear latency
 POST     /_sandbox/usersig_expiry           ``{"count"}``: the next N calls answer 70001
 POST     /_sandbox/rate_limit               ``{"per_second": n|null}``
-POST     /_sandbox/features                 ``{"ban_group_member": bool}`` (false: 10059)
+POST     /_sandbox/features                 ``{"ban_group_member": bool}`` (false: 10059),
+                                            ``{"owned_group_answers_10021": bool}`` (true: an existing
+                                            group id its owner asks for again answers 10021, not 10025)
 POST     /_sandbox/clock                    ``{"advance_s": s}``: move the sandbox clock
 GET      /_sandbox/accounts                 imported accounts
 GET      /_sandbox/groups                   live and destroyed groups
@@ -233,6 +235,8 @@ def create_app(state: SandboxState) -> ASGIApp:
     def features(_r: Request, data: dict[str, Any]) -> Any:
         if "ban_group_member" in data:
             state.ban_enabled = bool(data["ban_group_member"])
+        if "owned_group_answers_10021" in data:
+            state.owned_group_answers_10021 = bool(data["owned_group_answers_10021"])
         return state.faults()
 
     def clock(_r: Request, data: dict[str, Any]) -> Any:

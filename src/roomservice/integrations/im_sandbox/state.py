@@ -14,13 +14,21 @@ semantics where they matter to us:
   ``openim`` 20003); UserIDs are at most 32 bytes (70402);
 * ``create_group``: custom ids are printable ASCII, at most 48 bytes, never ``@TGS#...``
   (Community: always ``@TGS#_...``); names at most 30 bytes; an existing id answers 10025
-  when the requested owner owns it (usable as is) and 10021 otherwise; an AVChatRoom takes
+  when the requested owner owns it (usable as is) and 10021 otherwise — or 10021 either way
+  with ``owned_group_answers_10021`` set (Tencent words 10025 for the *operator*, the app
+  admin here, so the real one may answer 10021 for a group we made); an AVChatRoom takes
   no initial members (10007), and its owner is not a member (members join through the SDK);
+* ``get_group_info``: every basic field and the member list (not for an AVChatRoom), or with
+  a ``ResponseFilter`` just the basic fields of its ``GroupBaseInfoFilter``, and members only
+  when it has a ``MemberInfoFilter``;
 * AVChatRoom: ``add_group_member`` 10007, ``delete_group_member`` 10004 (ban or mute
   instead), system notifications only to everyone (10004);
 * ``send_group_msg``: per-group ``MsgSeq`` from 1; the same ``Random`` from the same sender
   within 5 minutes is a duplicate: answered like the original (same MsgSeq), stored once;
   a muted sender gets 10017;
+* a message body over 12 KB (:data:`MSG_BODY_MAX_BYTES`, counted as Tencent describes it: the
+  sum of the lengths of its elements' fields, for a custom element the UTF-8 bytes of Data,
+  Desc and Ext) is refused for good: ``send_group_msg`` 80002, ``openim/sendmsg`` 93000;
 * ``openim/sendmsg``: duplicates are (sender, MsgSeq, MsgRandom, CRC32 of the body) within
   120 seconds, as Tencent documents for one-to-one messages (not the group's 5 minutes),
   answered like the original (same MsgTime and MsgKey) and stored once; a request without
@@ -58,6 +66,12 @@ OutageMode = Literal["http_503", "reset"]
 GROUP_TYPES = frozenset({"Private", "Public", "ChatRoom", "AVChatRoom", "Community", "Work", "Meeting"})
 GROUP_DUPLICATE_WINDOW_S = 300.0
 C2C_DUPLICATE_WINDOW_S = 120.0
+MSG_BODY_MAX_BYTES = 12 * 1024
+# the codes of a body over that, from Tencent's error code tables: 80002 (ERR_SVR_COMM_BODY_SIZE_LIMIT, "the
+# message packet exceeds the length limit of 12 KB") for group messages, 93000 (ERR_SVR_MSG_BODY_SIZE_LIMIT,
+# "the JSON packet exceeds 12 KB") for one-to-one messages
+GROUP_MSG_TOO_LONG = 80002
+C2C_MSG_TOO_LONG = 93000
 _USERSIG_CODES = {"expired": 70001, "malformed": 70003, "bad_signature": 70009, "wrong_app": 70014}
 _READ_ONLY = frozenset({("group_open_http_svc", "get_group_info")})  # every other handled call changes state
 _CONTROL = "_sandbox"  # journal rows of controls that change state (service name no REST path has)
@@ -257,6 +271,23 @@ def _msg_body(value: object, code: int) -> list[dict[str, Any]]:
     return value
 
 
+def msg_body_bytes(msg_body: list[dict[str, Any]]) -> int:
+    """The length Tencent holds against :data:`MSG_BODY_MAX_BYTES`: the sum over the elements of
+    their ``MsgContent`` fields, a text field as its UTF-8 bytes, any other as its JSON text."""
+    total = 0
+    for elem in msg_body:
+        for value in elem["MsgContent"].values():
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+            total += len(text.encode("utf-8"))
+    return total
+
+
+def _check_size(msg_body: list[dict[str, Any]], code: int) -> None:
+    size = msg_body_bytes(msg_body)
+    if size > MSG_BODY_MAX_BYTES:
+        raise _Fail(code, f"message body is {size} bytes, over the {MSG_BODY_MAX_BYTES} bytes a message may have")
+
+
 class SandboxState:
     """One IM app (``sdk_app_id`` + ``secret_key``) with its accounts, groups, messages,
     injected faults and request log."""
@@ -314,6 +345,7 @@ class SandboxState:
         self.latency_s: dict[str, float] = {}  # command (or "*") -> seconds
         self.usersig_expiry_remaining = 0
         self.ban_enabled = True
+        self.owned_group_answers_10021 = False  # create_group of an existing id the owner owns: 10021, not 10025
         self._buckets: dict[str, TokenBucket] = {}
         self._group_counter = 0
         self._c2c_counter = 0
@@ -439,6 +471,7 @@ class SandboxState:
             "usersig_expiry_remaining": self.usersig_expiry_remaining,
             "rate_limit_per_second": self.rate_limit_per_second,
             "ban_enabled": self.ban_enabled,
+            "owned_group_answers_10021": self.owned_group_answers_10021,
             "clock_offset": self.clock_offset,
         }
 
@@ -659,7 +692,7 @@ class SandboxState:
         self._require_accounts(initial)
         existing = self.groups.get(group_id)
         if existing is not None:
-            if existing.owner == owner:
+            if existing.owner == owner and not self.owned_group_answers_10021:
                 raise _Fail(10025, f"group id {group_id} is already used and you are its owner")
             raise _Fail(10021, f"group id {group_id} is already used by someone else")
         now = self.now()
@@ -684,6 +717,7 @@ class SandboxState:
         ids = req.get("GroupIdList")
         if not isinstance(ids, list) or not ids or len(ids) > 50 or not all(isinstance(g, str) for g in ids):
             raise _Fail(10004, "GroupIdList must list 1-50 group ids")
+        base_filter, member_filter = self._response_filter(req)
         infos: list[dict[str, Any]] = []
         for group_id in ids:
             group = self.groups.get(group_id)
@@ -703,12 +737,36 @@ class SandboxState:
                 info["Owner_Account"] = group.owner
             if group.type != "AVChatRoom":  # member count and list are not available for AVChatRoom
                 info["MemberNum"] = len(group.members)
-                info["MemberList"] = [
+            if base_filter is not None:
+                info = {k: v for k, v in info.items() if k in ("GroupId", "ErrorCode", "ErrorInfo") or k in base_filter}
+            if group.type != "AVChatRoom" and (base_filter is None or member_filter is not None):
+                members = [
                     {"Member_Account": m, "Role": "Owner" if m == group.owner else "Member", "JoinTime": int(t)}
                     for m, t in group.members.items()
                 ]
+                if member_filter is not None:
+                    wanted = member_filter | {"Member_Account"}
+                    members = [{k: v for k, v in m.items() if k in wanted} for m in members]
+                info["MemberList"] = members
             infos.append(info)
         return {"GroupInfo": infos}
+
+    @staticmethod
+    def _response_filter(req: dict[str, Any]) -> tuple[frozenset[str] | None, frozenset[str] | None]:
+        """``get_group_info``'s ``ResponseFilter``: (basic fields, member fields) to answer; (None, None)
+        without one (everything). With one, only the basic fields it lists, and members only if it asks."""
+        response_filter = req.get("ResponseFilter")
+        if response_filter is None:
+            return None, None
+        if not isinstance(response_filter, dict):
+            raise _Fail(10004, "ResponseFilter must be an object")
+        fields: list[frozenset[str]] = []
+        for key in ("GroupBaseInfoFilter", "MemberInfoFilter"):
+            names = response_filter.get(key, [])
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise _Fail(10004, f"ResponseFilter.{key} must be a list of field names")
+            fields.append(frozenset(names))
+        return fields[0], (fields[1] if "MemberInfoFilter" in response_filter else None)
 
     def _add_group_member(self, req: dict[str, Any], _identifier: str) -> dict[str, Any]:
         group = self._live_group(req)
@@ -793,6 +851,7 @@ class SandboxState:
         if not _is_uint32(random):
             raise _Fail(10004, "Random must be a 32-bit unsigned integer")
         body = _msg_body(req.get("MsgBody"), 10004)
+        _check_size(body, GROUP_MSG_TOO_LONG)
         sender = req.get("From_Account")
         if sender is not None:
             if not isinstance(sender, str) or not sender:
@@ -839,6 +898,7 @@ class SandboxState:
         if msg_seq is not None and not _is_uint32(msg_seq):
             raise _Fail(90001, "MsgSeq must be a 32-bit unsigned integer")
         body = _msg_body(req.get("MsgBody"), 90002)
+        _check_size(body, C2C_MSG_TOO_LONG)
         sender = req.get("From_Account")
         if sender is not None and (not isinstance(sender, str) or not sender):
             raise _Fail(90001, "From_Account must be a UserID")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GROUP_ID_MAX_BYTES",
     "GROUP_NAME_MAX_BYTES",
+    "MSG_BODY_MAX_BYTES",
     "USER_ID_MAX_BYTES",
     "C2CMessageResult",
     "DirectCalls",
@@ -71,6 +73,9 @@ log = get_logger("roomservice.integrations.tencent_im")
 GROUP_ID_MAX_BYTES = 48  # custom group ids: printable ASCII, at most 48 bytes, never "@TGS#..."
 GROUP_NAME_MAX_BYTES = 30
 USER_ID_MAX_BYTES = 32
+# Tencent refuses a group or one-to-one message whose body is over 12 KB (send_group_msg 80002, openim/sendmsg
+# 93000): the sum of its elements' field lengths, for one TIMCustomElem the UTF-8 bytes of Data + Desc + Ext
+MSG_BODY_MAX_BYTES = 12 * 1024
 USERSIG_REFRESH_FRACTION = 0.9
 
 LOGIN_SVC = "im_open_login_svc"
@@ -104,10 +109,18 @@ def group_id_for(app_code: str, room_id: str, *, group_type: str = "AVChatRoom")
     return f"{prefix}roomh_{_digest(app_code, room_id)[: 40 - len(prefix)]}"
 
 
+_HASHED_ACCOUNT = re.compile(r"u_[0-9a-f]{30}")  # the form account_id_for gives a hashed user id
+
+
 def account_id_for(user_id: str) -> str:
     """The IM account (UserID) of ``user_id``: itself when it fits Tencent's 32 bytes, else
-    ``u_`` + 30 hex of its sha256 (our user ids may be 64 characters)."""
-    if len(user_id.encode("utf-8")) <= USER_ID_MAX_BYTES:
+    ``u_`` + 30 hex of its sha256 (our user ids may be 64 characters).
+
+    A short id that has that hashed form itself (``u_`` + 30 lowercase hex) is hashed too: passed
+    through, it could be the account of a user with a long id (whose kick notices and bans it would
+    then get). So no id passes through as an account a hash can give, and every other short id
+    keeps the account it always had."""
+    if len(user_id.encode("utf-8")) <= USER_ID_MAX_BYTES and not _HASHED_ACCOUNT.fullmatch(user_id):
         return user_id
     return f"u_{_digest(user_id)[:30]}"
 
@@ -403,7 +416,8 @@ class TencentImClient:
         """Create a group with a custom id; returns its ``GroupId``. ``owner`` must be an
         imported account (or ``None``: no owner). ``name`` is cut to Tencent's 30 bytes.
         An existing id raises :class:`ImPermanentError` with code 10025 (you own it: usable)
-        or 10021 (someone else's)."""
+        or 10021 (someone else's; Tencent words "you" as the operator, our admin, so a group of
+        ours may get 10021 too: :meth:`get_group_info` tells its type and owner)."""
         body: dict[str, Any] = {
             "Type": group_type,
             "GroupId": group_id,
@@ -414,11 +428,18 @@ class TencentImClient:
         data = await self.call(GROUP_SVC, "create_group", body, deadline=deadline)
         return str(data.get("GroupId", group_id))
 
-    async def get_group_info(self, group_ids: Sequence[str], *, deadline: float | None = None) -> list[GroupInfo]:
-        """Group details (50 per request); a missing group comes back with ``found`` False."""
+    async def get_group_info(
+        self, group_ids: Sequence[str], *, base_fields: Sequence[str] | None = None, deadline: float | None = None
+    ) -> list[GroupInfo]:
+        """Group details (50 per request); a missing group comes back with ``found`` False.
+        ``base_fields`` (e.g. ``("Type", "Owner_Account")``): ask for just those of the group's basic
+        information (``ResponseFilter.GroupBaseInfoFilter``) and no member list; ``None``: everything."""
         infos: list[GroupInfo] = []
         for chunk in _chunks(list(group_ids), 50):
-            data = await self.call(GROUP_SVC, "get_group_info", {"GroupIdList": chunk}, deadline=deadline)
+            body: dict[str, Any] = {"GroupIdList": chunk}
+            if base_fields is not None:
+                body["ResponseFilter"] = {"GroupBaseInfoFilter": list(base_fields)}
+            data = await self.call(GROUP_SVC, "get_group_info", body, deadline=deadline)
             for item in data.get("GroupInfo", []) or []:
                 if not isinstance(item, dict):
                     continue
@@ -521,7 +542,8 @@ class TencentImClient:
         deadline: float | None = None,
     ) -> GroupMessageResult:
         """Send one custom message (``TIMCustomElem`` with ``MsgContent.Data`` = ``data``).
-        The same ``random`` from the same sender within 5 minutes is a duplicate Tencent drops."""
+        The same ``random`` from the same sender within 5 minutes is a duplicate Tencent drops.
+        A body over :data:`MSG_BODY_MAX_BYTES` is refused for good (80002)."""
         body: dict[str, Any] = {
             "GroupId": group_id,
             "Random": _check_random(random, "random"),
@@ -564,7 +586,7 @@ class TencentImClient:
         and the CRC32 of the body all match one sent in the last 120 seconds. ``MsgSeq`` is
         the caller's to choose; a re-send that must be absorbed passes the same ``msg_seq``
         (and ``random`` and body) as the first try: leaving it out lets Tencent pick one, and
-        then nothing matches."""
+        then nothing matches. A body over :data:`MSG_BODY_MAX_BYTES` is refused for good (93000)."""
         body: dict[str, Any] = {
             "SyncOtherMachine": 2,
             "To_Account": to_account,
