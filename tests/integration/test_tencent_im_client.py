@@ -433,6 +433,17 @@ async def test_deadline_bounds_the_request(sandbox: RunningSandbox, client: Tenc
     assert time.monotonic() - started < 1.5
 
 
+async def test_request_timeout_bounds_the_whole_call_its_70001_retry_included(sandbox: RunningSandbox) -> None:
+    """Without a deadline (the notice group passes none) a call took a request_timeout for each attempt."""
+    sandbox.state.set_latency(0.4, "account_import")
+    sandbox.state.force_usersig_expiry(1)  # the first attempt: 70001 after 0.4 s, then one retry
+    async with make_client(sandbox, request_timeout=0.6) as im:
+        with pytest.raises(ImRetryableError):  # the retry had 0.2 s of the call's 0.6 s left
+            await im.account_import("alice")
+        assert im.usersig_generations == 2
+        await im.account_import("bob")  # 0.4 s: within a call's bound
+
+
 async def test_passed_deadline_sends_nothing(client: TencentImClient, sandbox: RunningSandbox) -> None:
     loop = asyncio.get_running_loop()
     with pytest.raises(ImRetryableError, match="deadline"):

@@ -11,7 +11,8 @@ with a JSON body, answered by HTTP 200 and ``{"ActionStatus", "ErrorCode", "Erro
   throttling codes are :class:`ImRetryableError`; the rest carries Tencent's code.
 * **Rate limit** per API (token bucket, ``rate_limit_per_second``): a request waits for its
   slot, but never past its deadline.
-* **Deadlines**: every request is bounded by ``request_timeout`` and, when given, by
+* **Deadlines**: every call — its wait for a rate-limit slot, its request and the one retry
+  after a 70001 — is bounded by ``request_timeout`` from its start and, when given, by
   ``deadline`` (event-loop time, ``loop.time()``), whichever comes first.
 
 A transport that can also answer a REST call itself (:class:`DirectCalls`: the IM sandbox's
@@ -299,6 +300,8 @@ class TencentImClient:
         self, service: str, command: str, body: Mapping[str, Any], *, deadline: float | None = None
     ) -> dict[str, Any]:
         """One REST call; returns the response body (``ActionStatus`` OK) or raises :class:`ImError`."""
+        bound = self._now() + self.request_timeout  # the whole call: rate-limit wait, request, 70001 retry
+        deadline = bound if deadline is None else min(deadline, bound)
         sig = self.usersig()
         try:
             return await self._send(service, command, body, sig, deadline)
