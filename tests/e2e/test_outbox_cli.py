@@ -222,6 +222,15 @@ def test_replay_unknown_id(cli: Env) -> None:
     assert cli.statuses()["failed"] == 7
 
 
+def test_replay_of_a_known_and_an_unknown_id_is_a_partial_outcome_not_a_bad_argument(cli: Env) -> None:
+    """Exit 2 says nothing happened; here f-1 was replayed for good, so a script must not read it that way."""
+    result = cli.run("replay", "f-1", "nope")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "replayed: f-1 requeued" in result.stdout
+    assert "replayed 1; no outbox row with event_id nope" in result.stderr
+    assert cli.row("f-1")["status"] == "pending"
+
+
 def test_bulk_replay_with_progress(cli: Env) -> None:
     result = cli.run("replay", "--status", "failed", "--room", "r9", "--yes")
     assert result.returncode == 0, result.stderr

@@ -9,16 +9,17 @@
     room-service outbox replay --status failed [filters] [--as-repair [--target T]...] [--yes] [--json]
 
 Every command takes --config and --data-dir like serve and opens the
-configured database itself (migrating it first when database.auto_migrate).
+configured database itself (never migrating it: ``room-service db upgrade`` does).
 They work on rows that exist, so they never create a database: a SQLite file
 that does not exist (the wrong --data-dir or working directory, usually) is an
 error naming the path, and nothing is created. Durations are Go strings
 ("10m", "1h30m").
 
-Exit codes: 0 done; 1 some rows were not replayed (not in status failed), the
-confirmation was declined or the database is unavailable; 2 bad arguments
-(unknown event id, bad duration or status, nothing to replay, no database at
-the configured path) with a one-line message on stderr.
+Exit codes: 0 done; 1 some rows were not replayed (not in status failed, or unknown
+ids beside rows that were replayed), the confirmation was declined or the database is
+unavailable; 2 bad arguments (unknown event ids and nothing replayed, bad duration or
+status, nothing to replay, no database at the configured path) with a one-line
+message on stderr.
 
 An EVENT_ID, --type, --app or --room outside the domain's patterns
 (``domain/limits.py``) is a bad argument too, refused before the database is
@@ -461,6 +462,8 @@ def _finish_replay(
         _fail(stopped.message, 1)
     if report.not_found:
         missing = ", ".join(o.event_id for o in report.outcomes if o.result == "not_found")
+        if report.replayed:  # the others were replayed: a partial outcome, not an argument refused as a whole
+            _fail(f"replayed {report.replayed}; no outbox row with event_id {missing}", 1)
         _fail(f"no outbox row with event_id {missing}")
     if report.replayed != len(report.outcomes):
         raise typer.Exit(1)
