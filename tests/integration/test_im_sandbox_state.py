@@ -296,3 +296,16 @@ async def test_a_second_sandbox_in_the_same_process_cannot_open_the_state(tmp_pa
         with pytest.raises(SandboxStateInUse):
             async with sandbox_on(tmp_path):
                 pass
+
+
+async def test_an_answer_lost_after_the_work_was_done_over_http() -> None:
+    """POST /_sandbox/lost_answers: the next call is applied, then answered 503 (the caller cannot tell)."""
+    async with sandbox_on(None) as (sandbox, im):
+        async with httpx.AsyncClient(base_url=sandbox.base_url) as http:
+            answer = await http.post("/_sandbox/lost_answers", json={"command": "account_import", "count": 1})
+            assert answer.status_code == 200 and answer.json()["lost_answers"] == {"account_import": 1}
+        with pytest.raises(ImRetryableError):
+            await im.account_import("alice")
+        assert "alice" in sandbox.state.accounts  # imported, though the answer said otherwise
+        await im.account_import("alice")  # the next answer arrives
+        assert (await control(sandbox.base_url, "state"))["faults"]["lost_answers"] == {}

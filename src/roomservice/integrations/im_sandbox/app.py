@@ -21,6 +21,8 @@ POST     /_sandbox/rate_limit               ``{"per_second": n|null}``
 POST     /_sandbox/features                 ``{"ban_group_member": bool}`` (false: 10059),
                                             ``{"owned_group_answers_10021": bool}`` (true: an existing
                                             group id its owner asks for again answers 10021, not 10025)
+POST     /_sandbox/lost_answers             ``{"command", "count"?}``: its next calls are applied, then
+                                            answered 503 (the answer lost on the way)
 POST     /_sandbox/clock                    ``{"advance_s": s}``: move the sandbox clock
 GET      /_sandbox/accounts                 imported accounts
 GET      /_sandbox/groups                   live and destroyed groups
@@ -176,7 +178,10 @@ def create_app(state: SandboxState) -> ASGIApp:
         except ClientDisconnect:  # the caller gave up (timeout): nobody to answer
             return Response(status_code=499)
         query = {k: v for k, v in request.query_params.items()}
-        reply = state.handle(request.path_params["service"], request.path_params["command"], query, body)
+        command = request.path_params["command"]
+        reply = state.handle(request.path_params["service"], command, query, body)
+        if state.answer_lost(command):  # applied, and its answer lost on the way
+            return Response(OUTAGE_BODY, status_code=503, media_type="text/plain")
         return Response(render_json(reply.body), status_code=reply.status, media_type="application/json")
 
     def control(fn: Callable[[Request, dict[str, Any]], Any]) -> Handler:
@@ -237,6 +242,10 @@ def create_app(state: SandboxState) -> ASGIApp:
             state.ban_enabled = bool(data["ban_group_member"])
         if "owned_group_answers_10021" in data:
             state.owned_group_answers_10021 = bool(data["owned_group_answers_10021"])
+        return state.faults()
+
+    def lost_answers(_r: Request, data: dict[str, Any]) -> Any:
+        state.lose_answers(str(data["command"]), int(data.get("count", 1)))
         return state.faults()
 
     def clock(_r: Request, data: dict[str, Any]) -> Any:
@@ -302,6 +311,7 @@ def create_app(state: SandboxState) -> ASGIApp:
         Route("/_sandbox/usersig_expiry", control(usersig_expiry), methods=["POST"]),
         Route("/_sandbox/rate_limit", control(rate_limit), methods=["POST"]),
         Route("/_sandbox/features", control(features), methods=["POST"]),
+        Route("/_sandbox/lost_answers", control(lost_answers), methods=["POST"]),
         Route("/_sandbox/clock", control(clock), methods=["POST"]),
         Route("/_sandbox/accounts", control(accounts), methods=["GET"]),
         Route("/_sandbox/groups", control(groups), methods=["GET"]),

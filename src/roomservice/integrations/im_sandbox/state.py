@@ -346,6 +346,7 @@ class SandboxState:
         self.usersig_expiry_remaining = 0
         self.ban_enabled = True
         self.owned_group_answers_10021 = False  # create_group of an existing id the owner owns: 10021, not 10025
+        self.lost_answers: dict[str, int] = {}  # command -> how many of its next calls apply, then answer 503
         self._buckets: dict[str, TokenBucket] = {}
         self._group_counter = 0
         self._c2c_counter = 0
@@ -376,6 +377,24 @@ class SandboxState:
         injected = InjectedError(command, int(code), info or f"injected error {code}", count, service)
         self.errors.append(injected)
         return injected
+
+    def lose_answers(self, command: str, count: int = 1) -> None:
+        """The next ``count`` calls of ``command`` are applied, then answered HTTP 503, as when Tencent did
+        the work and its answer was lost on the way (the caller cannot tell it from a refused call)."""
+        if count <= 0:
+            raise ValueError("count must be > 0")
+        self.lost_answers[command] = count
+
+    def answer_lost(self, command: str) -> bool:
+        """Whether the answer of this call of ``command`` (already applied) is to be lost."""
+        left = self.lost_answers.get(command, 0)
+        if left <= 0:
+            return False
+        if left == 1:
+            del self.lost_answers[command]
+        else:
+            self.lost_answers[command] = left - 1
+        return True
 
     def clear_errors(self, command: str | None = None) -> None:
         self.errors = [e for e in self.errors if command is not None and e.command != command]
@@ -472,6 +491,7 @@ class SandboxState:
             "rate_limit_per_second": self.rate_limit_per_second,
             "ban_enabled": self.ban_enabled,
             "owned_group_answers_10021": self.owned_group_answers_10021,
+            "lost_answers": dict(self.lost_answers),
             "clock_offset": self.clock_offset,
         }
 

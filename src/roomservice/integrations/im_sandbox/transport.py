@@ -55,6 +55,8 @@ class InProcessTransport(httpx.AsyncBaseTransport):
         if outage is not None:
             raise httpx.RemoteProtocolError("sandbox outage: connection reset")
         reply = self.state.handle(service, command, query, body)
+        if self.state.answer_lost(command):  # applied, and its answer lost on the way
+            return 503, OUTAGE_BODY
         return reply.status, render_json(reply.body)
 
     async def aclose(self) -> None:
