@@ -275,8 +275,9 @@ async def test_mq_mode_find_a_consumer_groups_dead_letters_after_an_outage_and_r
         assert await page.inner_text("#confirm-count") == "2"
         await check_page(page, "consumer-confirm")
         await page.click("#confirm")
-        await page.wait_for_selector(".flash.ok")
-        assert "Replayed 2" in await page.inner_text(".flash.ok")
+        await page.wait_for_selector('#job[data-state="done"]')  # a job, its page polling it to the end
+        assert "replayed 2 dead letter(s)" in await page.inner_text("#job-summary")
+        assert await page.inner_text("#job-done") == "2"
         await check_page(page, "consumer-replayed")
 
         async def no_dead_letters_left() -> bool:

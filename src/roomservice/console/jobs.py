@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from roomservice import errors
+from roomservice.admin.dead_letters import DeadLetterReplay
 from roomservice.admin.operations import ReplayInterrupted, ReplayReport
 from roomservice.observability.logging import get_logger
 
@@ -40,6 +41,7 @@ class Job:
     error: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     finished_at: float | None = None
+    kind: str = "outbox"  # "outbox": rows of the outbox; "consumers": dead letters of a consumer group
 
     def progress(self, done: int, total: int) -> None:
         self.done, self.total = done, total
@@ -54,6 +56,7 @@ class Job:
             "total": self.total,
             "error": self.error,
             "summary": self.summary,
+            "kind": self.kind,
         }
 
 
@@ -71,8 +74,15 @@ class Jobs:
     def recent(self) -> list[Job]:
         return list(reversed(self._jobs.values()))
 
-    def start(self, title: str, operator: str, work: Callable[[Progress], Awaitable[ReplayReport]]) -> Job:
-        job = Job(id=secrets.token_hex(8), title=title, operator=operator, started_at=time.time())
+    def start(
+        self,
+        title: str,
+        operator: str,
+        work: Callable[[Progress], Awaitable[ReplayReport | DeadLetterReplay]],
+        *,
+        kind: str = "outbox",
+    ) -> Job:
+        job = Job(id=secrets.token_hex(8), title=title, operator=operator, started_at=time.time(), kind=kind)
         self._jobs[job.id] = job
         # the oldest finished ones go; a running job stays whatever its age (its page polls it)
         finished = [key for key, kept in self._jobs.items() if kept.state != "running"]
@@ -83,7 +93,7 @@ class Jobs:
         task.add_done_callback(self._tasks.discard)
         return job
 
-    async def _run(self, job: Job, work: Callable[[Progress], Awaitable[ReplayReport]]) -> None:
+    async def _run(self, job: Job, work: Callable[[Progress], Awaitable[ReplayReport | DeadLetterReplay]]) -> None:
         try:
             report = await work(job.progress)
         except ReplayInterrupted as exc:  # later batch failed: show what the committed ones did
@@ -96,8 +106,17 @@ class Jobs:
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"[:300]
         else:
             job.state = "done"
-            job.done = job.total = max(job.total, len(report.outcomes))
-            self._summarise(job, report)
+            if isinstance(report, DeadLetterReplay):
+                job.done = job.total = max(job.total, len(report.replayed) + len(report.not_dead_letters))
+                job.summary = {
+                    "replayed": len(report.replayed),
+                    "not_dead_letters": len(report.not_dead_letters),
+                    "text": f"replayed {len(report.replayed)} dead letter(s) to {report.group}, "
+                    f"{len(report.not_dead_letters)} no longer dead letters",
+                }
+            else:
+                job.done = job.total = max(job.total, len(report.outcomes))
+                self._summarise(job, report)
         finally:
             job.finished_at = time.time()
             _log.info("console_job_finished", job=job.id, title=job.title, operator=job.operator, state=job.state)
@@ -106,6 +125,11 @@ class Jobs:
     def _summarise(job: Job, report: ReplayReport) -> None:
         job.summary = {k: v for k, v in report.to_dict().items() if k != "results"}
         job.summary["messages"] = [o.message for o in report.outcomes if o.result != "replayed"][:20]
+        job.summary["text"] = (
+            f"replayed {report.replayed}, not failed {report.not_failed}, not found {report.not_found}, "
+            f"undecodable {report.undecodable}, no targets {report.no_targets}, "
+            f"already repaired {report.already_repaired}"
+        )
 
     async def aclose(self) -> None:
         for task in list(self._tasks):

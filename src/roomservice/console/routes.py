@@ -529,8 +529,6 @@ async def consumers_page(console: Console, request: Request, session: ConsoleSes
         reports=reports,
         chosen=chosen,
         letters=letters,
-        replayed=request.query_params.get("replayed"),
-        missing=request.query_params.get("missing"),
     )
 
 
@@ -555,10 +553,17 @@ async def consumers_replay(console: Console, request: Request, session: ConsoleS
     ids = None if form.get("selection") == "all" else sorted(set(form.all("message_id")))
     if ids is not None and not ids:
         raise errors.InvalidArgument("no dead letters to replay")
-    result = await admin.replay(group, ids, actor=session.actor)
-    _log.info("console_consumer_replay", group=group, operator=session.operator, replayed=len(result.replayed))
-    query = urlencode({"group": group, "replayed": len(result.replayed), "missing": len(result.not_dead_letters)})
-    return RedirectResponse(f"{PREFIX}/consumers?{query}", status_code=303, headers=_SECURITY_HEADERS)
+    title = f"replay every dead letter of {group}" if ids is None else f"replay {len(ids)} dead letter(s) of {group}"
+
+    async def work(progress: Callable[[int, int], None]) -> Any:
+        result = await admin.replay(group, ids, actor=session.actor, progress=progress)
+        _log.info("console_consumer_replay", group=group, operator=session.operator, replayed=len(result.replayed))
+        return result
+
+    # a job, as an outbox replay is: every dead letter of a group can be many broker round trips (on NATS
+    # one a letter), longer than a browser or a proxy waits for one answer
+    job = console.jobs.start(title, session.operator, work, kind="consumers")
+    return RedirectResponse(f"{PREFIX}/jobs/{job.id}", status_code=303, headers=_SECURITY_HEADERS)
 
 
 # --------------------------------------------------------------------------- rooms

@@ -26,10 +26,7 @@
       bar.value = data.done;
       var s = data.summary || {};
       if (data.state !== "running") {
-        var text = data.error ? data.error :
-          "replayed " + s.replayed + ", not failed " + s.not_failed + ", not found " + s.not_found +
-          ", undecodable " + s.undecodable + ", no targets " + s.no_targets +
-          ", already repaired " + s.already_repaired;
+        var text = data.error ? data.error : (s.text || "");
         document.getElementById("job-summary").textContent = text;
         job.dataset.state = data.state;
       }
