@@ -15,6 +15,7 @@ from tests.console.conftest import ADMIN_TOKEN, client_for, console_of, csrf_of,
 from tests.service.test_outbox_admin import MIN, T0, insert_rows, join_event, outbox_row, sample_rows
 
 from roomservice.bootstrap import Process
+from roomservice.brokers.port import GroupStats
 from roomservice.console import Console
 from roomservice.console.session import COOKIE, Sessions
 from roomservice.domain import commands as c
@@ -299,6 +300,30 @@ async def test_bulk_replay_confirms_then_replays_the_filtered_set_audited(
     assert await audit_of(console_runtime, "f-2") == [("replay", "console:Zoë Operator")]
     detail = await http.get("/console/outbox/f-2")
     assert "console:Zoë Operator" in detail.text and "previous_last_error" in detail.text
+
+
+async def test_confirming_every_dead_letter_of_a_group_counts_them_by_the_brokers_stats(
+    console: Console, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing a group's dead letters costs a round trip a letter on NATS: the count comes from its stats."""
+    admin = console.dead_letters
+    assert admin is not None
+    spec = admin.groups[0]
+
+    async def stats(topic: str, group: str) -> GroupStats:
+        return GroupStats(topic=topic, group=group, lag=0, in_flight=0, dead_letters=4_321)
+
+    async def no_listing(*_: object, **__: object) -> None:
+        raise AssertionError("the confirmation page listed the dead letters")
+
+    monkeypatch.setattr(admin.broker, "group_stats", stats)
+    monkeypatch.setattr(admin.broker, "dead_letters", no_listing)
+    csrf = await logged_in(http)
+    confirm = await http.post(
+        "/console/consumers/confirm", data={"csrf_token": csrf, "group": spec.group, "selection": "all"}
+    )
+    assert confirm.status_code == 200, confirm.text
+    assert '<strong id="confirm-count">4321</strong>' in confirm.text
 
 
 async def test_repair_with_chosen_targets_from_the_detail_page(
