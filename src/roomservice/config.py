@@ -562,10 +562,10 @@ class ConsumersConfig(_Block):
     # running past ten of it is cancelled as hung). Unset: max(5s, 2 × outbox_worker.publish_timeout).
     visibility_timeout: PositiveDuration | None = None
     # Ours: how long an applied event's id is remembered by what deduplicates on it — the IM
-    # publisher and bridge (im_sent_event; a group's destroy is kept for good), the activity service
-    # (activity_processed_event), the notice group (notice_delivery_events once sent or failed). The
-    # maintenance role (and `room-service activity serve`) forgets older ids in bounded batches; the
-    # same event delivered or replayed later is applied again.
+    # publisher and bridge (im_sent_event), the activity service (activity_processed_event), the notice
+    # group (notice_delivery_events once sent or failed) — once its outbox row is gone. The maintenance
+    # role (and `room-service activity serve`) forgets older ids in bounded batches; the same event
+    # delivered again after that is applied again.
     dedup_retention: PositiveDuration = _d("720h")
 
     def visibility(self, publish_timeout: timedelta) -> timedelta:

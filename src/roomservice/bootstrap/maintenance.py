@@ -10,8 +10,7 @@ from roomservice.bootstrap.commands import Commands
 from roomservice.bootstrap.core import Core, ms
 from roomservice.brokers.embedded import EmbeddedBroker
 from roomservice.brokers.port import Broker
-from roomservice.consumers.dedup_retention import LOCK_NAME as DEDUP_RETENTION_LOCK
-from roomservice.consumers.dedup_retention import dedup_purges
+from roomservice.consumers.dedup_retention import dedup_purges, dedup_sweeper
 from roomservice.leases.leader import RedisMaintenanceLock
 from roomservice.leases.maintenance import DatabaseMaintenanceLock
 from roomservice.observability.logging import get_logger
@@ -103,14 +102,7 @@ def build_maintenance(
         batch_size=outbox.retention_batch_size,
         clock=core.clock,
     )
-    dedup_retention = RetentionSweeper(
-        lock,
-        dedup_purges(core.db),
-        retention_ms=ms(settings.consumers.dedup_retention),
-        batch_size=outbox.retention_batch_size,
-        clock=core.clock,
-        lock_name=DEDUP_RETENTION_LOCK,
-    )
+    dedup_retention = dedup_sweeper(lock, dedup_purges(core.db), settings, clock=core.clock)
     broker_retention = None
     if isinstance(broker, EmbeddedBroker):  # the other brokers keep their own retention
         broker_retention = RetentionSweeper(

@@ -322,11 +322,9 @@ def activity_serve(
 async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir: Path) -> None:
     from roomservice.activity.service import running_activity_service
     from roomservice.clock import wall_clock_ms
-    from roomservice.consumers.dedup_retention import LOCK_NAME as DEDUP_RETENTION_LOCK
-    from roomservice.consumers.dedup_retention import activity_purges
+    from roomservice.consumers.dedup_retention import activity_purges, dedup_sweeper
     from roomservice.leases.maintenance import DatabaseMaintenanceLock
     from roomservice.observability.logging import get_logger
-    from roomservice.outbox.retention import RetentionSweeper
     from roomservice.store.migrate import opened_database
 
     stop = GracefulStop(deadline_s=STOP_MARGIN_S).install()
@@ -343,14 +341,8 @@ async def _activity_serve(settings: Settings, *, host: str, port: int, data_dir:
         restrict_database_files(settings)
         (data_dir / "activity-port").write_text(f"{service.port}\n")
         get_logger("roomservice.cli").info("activity_serving", target=service.target, database=db.dialect_name)
-        sweeper = RetentionSweeper(  # the processed-event record forgets old ids, as the maintenance role does
-            DatabaseMaintenanceLock(db),
-            activity_purges(db),
-            retention_ms=int(settings.consumers.dedup_retention.total_seconds() * 1000),
-            batch_size=settings.outbox_worker.retention_batch_size,
-            clock=wall_clock_ms,
-            lock_name=DEDUP_RETENTION_LOCK,
-        )
+        # the processed-event record forgets old ids, as the maintenance role's does
+        sweeper = dedup_sweeper(DatabaseMaintenanceLock(db), activity_purges(db), settings, clock=wall_clock_ms)
         sweeping = asyncio.create_task(sweeper.run(interval_s=60.0), name="activity-dedup-retention")
         try:
             await stop.requested.wait()

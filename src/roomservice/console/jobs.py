@@ -106,24 +106,26 @@ class Jobs:
             job.state, job.error = "failed", f"{type(exc).__name__}: {exc}"[:300]
         else:
             job.state = "done"
-            if isinstance(report, DeadLetterReplay):
-                job.done = job.total = max(job.total, len(report.replayed) + len(report.not_dead_letters))
-                job.summary = {
-                    "replayed": len(report.replayed),
-                    "not_dead_letters": len(report.not_dead_letters),
-                    "text": f"replayed {len(report.replayed)} dead letter(s) to {report.group}, "
-                    f"{len(report.not_dead_letters)} no longer dead letters",
-                }
-            else:
-                job.done = job.total = max(job.total, len(report.outcomes))
-                self._summarise(job, report)
+            self._summarise(job, report)
+            job.done = job.total = max(job.total, job.summary["handled"])
         finally:
             job.finished_at = time.time()
             _log.info("console_job_finished", job=job.id, title=job.title, operator=job.operator, state=job.state)
 
     @staticmethod
-    def _summarise(job: Job, report: ReplayReport) -> None:
+    def _summarise(job: Job, report: ReplayReport | DeadLetterReplay) -> None:
+        """The job's summary: the report's counts, how many it handled, and one line for its page."""
+        if isinstance(report, DeadLetterReplay):
+            replayed, gone = len(report.replayed), len(report.not_dead_letters)
+            job.summary = {
+                "replayed": replayed,
+                "not_dead_letters": gone,
+                "handled": replayed + gone,
+                "text": f"replayed {replayed} dead letter(s) to {report.group}, {gone} no longer dead letters",
+            }
+            return
         job.summary = {k: v for k, v in report.to_dict().items() if k != "results"}
+        job.summary["handled"] = len(report.outcomes)
         job.summary["messages"] = [o.message for o in report.outcomes if o.result != "replayed"][:20]
         job.summary["text"] = (
             f"replayed {report.replayed}, not failed {report.not_failed}, not found {report.not_found}, "

@@ -34,12 +34,15 @@ sweeps at once only waste work: each deletes the rows it picked, by key.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Final
 
 from sqlalchemy import ColumnElement, exists
 
+from roomservice.config import Settings
 from roomservice.consumers.notice import PENDING
-from roomservice.outbox.retention import Purge
+from roomservice.leases.maintenance import MaintenanceLock
+from roomservice.outbox.retention import Purge, RetentionSweeper
 from roomservice.store import tables as t
 from roomservice.store.database import Database
 from roomservice.store.purge import OldestFirst
@@ -76,3 +79,18 @@ def dedup_purges(db: Database) -> list[Purge]:
             _outbox_row_gone(_notice.event_id),
         ),
     ]
+
+
+def dedup_sweeper(
+    lock: MaintenanceLock, purges: list[Purge], settings: Settings, *, clock: Callable[[], int]
+) -> RetentionSweeper:
+    """The sweeper of ``purges`` under :data:`LOCK_NAME`: rows older than ``consumers.dedup_retention``,
+    ``outbox_worker.retention_batch_size`` a statement."""
+    return RetentionSweeper(
+        lock,
+        purges,
+        retention_ms=int(settings.consumers.dedup_retention.total_seconds() * 1000),
+        batch_size=settings.outbox_worker.retention_batch_size,
+        clock=clock,
+        lock_name=LOCK_NAME,
+    )

@@ -127,7 +127,7 @@ class GroupRunner:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._last_of_key: dict[str, asyncio.Task[None]] = {}
         # every delivery fetched and not settled yet, with when its visibility last started (its fetch or
-        # its last touch): the keep-alive touches those at half their visibility timeout
+        # its last touch): the keep-alive touches those at a third of their visibility timeout
         self._held: dict[int, _Held] = {}
         self._task: asyncio.Task[None] | None = None
         self._keep_alive: asyncio.Task[None] | None = None
